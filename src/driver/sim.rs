@@ -1,0 +1,1792 @@
+//! The simulated driver: a pure-Rust model of the parts of the CUDA driver the crate uses.
+//!
+//! * Streams are FIFO queues of operations; an operation starts when it reaches the head of its
+//!   queue (and, for an event wait, when the event's record has completed) and completes a fixed
+//!   simulated duration later. Host functions run on a real thread and complete when they return,
+//!   so a test can hold a stream busy on a channel, as on the GPU.
+//! * Time comes from a clock that tests advance by hand ([`SimDriver::advance`]); waiting calls
+//!   (`stream_synchronize`, ...) jump the clock to the next completion, as if the CPU had waited.
+//!   With a [`Latency`] model the clock is real time instead and every API call costs the CPU time
+//!   measured on an H200 (DESIGN.md), so that the demo's strategies differ as they do on the GPU.
+//! * Capture follows the driver's rules: a nested begin returns `CUDA_ERROR_ILLEGAL_STATE` and
+//!   leaves the outer capture active; querying or synchronizing a capturing stream, or making an
+//!   unsafe call while a conflicting capture is active, returns
+//!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture.
+//! * Device memory holds real bytes, so results can be checked; use after free, double frees and
+//!   operations on destroyed handles are recorded as misuse ([`SimDriver::misuse`]).
+//! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
+//!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
+
+use super::*;
+use crate::error::{Error, ErrorCode};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::CStr;
+use std::os::raw::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+/// Device memory the driver keeps per live stream, as measured on the H200.
+pub const STREAM_BYTES: u64 = 560 * 1024;
+
+/// CPU costs of driver calls and GPU durations of operations, in nanoseconds. The defaults are
+/// the H200 figures of DESIGN.md; GPU durations are for the demo's small kernels and copies.
+#[derive(Clone, Debug)]
+pub struct Latency {
+    /// `cuStreamCreate`.
+    pub stream_create: u64,
+    /// `cuStreamDestroy`.
+    pub stream_destroy: u64,
+    /// `cuStreamQuery` / `cuEventQuery`.
+    pub query: u64,
+    /// `cuEventRecord`, `cuStreamWaitEvent`, `cuEventCreate`.
+    pub event: u64,
+    /// Enqueueing a kernel, copy, memset or host function.
+    pub launch: u64,
+    /// `cuMemAllocAsync` / `cuMemFreeAsync`, plus `alloc_per_stream` for every live stream that
+    /// has used the memory pool (the allocator slows down with every such stream).
+    pub alloc: u64,
+    /// See `alloc`.
+    pub alloc_per_stream: u64,
+    /// GPU time of a small kernel.
+    pub kernel_gpu: u64,
+    /// GPU time of a small copy or memset.
+    pub copy_gpu: u64,
+    /// Wake-up latency of a synchronizing call.
+    pub sync: u64,
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Latency {
+            stream_create: 39_000,
+            stream_destroy: 5_000,
+            query: 600,
+            event: 1_000,
+            launch: 2_500,
+            alloc: 1_000,
+            alloc_per_stream: 25,
+            kernel_gpu: 3_000,
+            copy_gpu: 2_000,
+            sync: 5_000,
+        }
+    }
+}
+
+/// Configuration of a [`SimDriver`].
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Name returned by `device_name`.
+    pub device_name: String,
+    /// Number of devices.
+    pub devices: i32,
+    /// (least, greatest) stream priority; the H200's is (0, -5).
+    pub priority_range: (i32, i32),
+    /// Device memory in bytes.
+    pub total_memory: u64,
+    /// `cuDriverGetVersion`.
+    pub driver_version: i32,
+    /// `Some`: real-time clock and API costs (the demo); `None`: manual clock, no costs (tests).
+    pub latency: Option<Latency>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            device_name: "Simulated H200".into(),
+            devices: 1,
+            priority_range: (0, -5),
+            total_memory: 141 << 30,
+            driver_version: 13000,
+            latency: None,
+        }
+    }
+}
+
+/// One logged driver call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// The entry point, e.g. `cuMemFreeAsync`.
+    pub name: &'static str,
+    /// The stream it acted on, if any.
+    pub stream: Option<Stream>,
+    /// The event it acted on, if any.
+    pub event: Option<Event>,
+    /// The device pointer it acted on, if any.
+    pub ptr: Option<DevicePtr>,
+    /// Whether it succeeded.
+    pub ok: bool,
+}
+
+/// Counters of live and total resources.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Streams alive now (the legacy stream not counted).
+    pub live_streams: u64,
+    /// Most streams alive at once.
+    pub peak_streams: u64,
+    /// Streams created.
+    pub streams_created: u64,
+    /// Streams destroyed.
+    pub streams_destroyed: u64,
+    /// Events alive now.
+    pub live_events: u64,
+    /// Bytes of allocations alive now (not counting stream overhead).
+    pub live_alloc_bytes: u64,
+    /// Allocations alive now.
+    pub live_allocs: u64,
+    /// Most device memory in use at once, streams' share included.
+    pub peak_device_bytes: u64,
+    /// Graphs alive now.
+    pub live_graphs: u64,
+    /// Executable graphs alive now.
+    pub live_graph_execs: u64,
+    /// Modules loaded now.
+    pub live_modules: u64,
+    /// Contexts retained now.
+    pub live_contexts: u64,
+}
+
+/// Kernels the simulation can run, by the name they have in the crate's PTX.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `csp_add_one_f32(float *x, unsigned n)`: `x[i] += 1`.
+    AddOneF32,
+    /// `csp_sum_f32(const float *x, float *out, unsigned n)`: `*out += sum(x)`.
+    SumF32,
+    /// `csp_add_u32(unsigned *x, unsigned n, unsigned v)`: `x[i] += v`.
+    AddU32,
+}
+
+impl Kernel {
+    fn by_name(name: &str) -> Option<Kernel> {
+        match name {
+            "csp_add_one_f32" => Some(Kernel::AddOneF32),
+            "csp_sum_f32" => Some(Kernel::SumF32),
+            "csp_add_u32" => Some(Kernel::AddU32),
+            _ => None,
+        }
+    }
+    fn arity(self) -> usize {
+        match self {
+            Kernel::AddOneF32 => 2,
+            Kernel::SumF32 | Kernel::AddU32 => 3,
+        }
+    }
+}
+
+enum Effect {
+    Work,
+    Memset { ptr: u64, value: u32, count: usize },
+    HtoD { dst: u64, data: Vec<u8> },
+    DtoH { dst: usize, src: u64, bytes: usize },
+    Free { ptr: u64 },
+    Kernel { k: Kernel, args: Vec<u64> },
+    Host(Arc<Mutex<Option<HostFn>>>),
+}
+
+enum OpKind {
+    Effect(Effect),
+    Record { event: u64, seq: u64 },
+    Wait { event: u64, seq: u64 },
+    Host { f: Option<HostFn>, done: Arc<AtomicBool> },
+    Graph(Arc<Vec<(Effect, u64)>>),
+}
+
+struct Op {
+    kind: OpKind,
+    dur: u64,
+    start: Option<u64>,
+    enq: u64,
+}
+
+struct Capture {
+    mode: CaptureMode,
+    id: u64,
+    thread: ThreadId,
+    ops: Vec<(Effect, u64)>,
+    invalidated: bool,
+}
+
+struct SimStream {
+    flags: u32,
+    priority: i32,
+    queue: VecDeque<Op>,
+    free_at: u64,
+    capture: Option<Capture>,
+    used_pool: bool,
+}
+
+#[derive(Default)]
+struct SimEvent {
+    recorded: u64,
+    done: u64,
+    done_at: u64,
+}
+
+struct SimAlloc {
+    data: Vec<u8>,
+    free_pending: bool,
+}
+
+struct Fault {
+    name: Option<&'static str>,
+    nth: Option<u64>,
+    remaining: u64,
+    code: ErrorCode,
+}
+
+struct State {
+    next_id: u64,
+    next_ptr: u64,
+    contexts: HashMap<u64, (u64, u64)>, // ctx -> (device, retains)
+    primary: HashMap<u64, u64>,         // device -> ctx
+    streams: HashMap<u64, SimStream>,
+    events: HashMap<u64, SimEvent>,
+    allocs: BTreeMap<u64, SimAlloc>,
+    graphs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
+    execs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
+    modules: HashMap<u64, ()>,
+    functions: HashMap<u64, Kernel>,
+    release_threshold: u64,
+    log: Option<Vec<Call>>,
+    faults: Vec<Fault>,
+    calls: u64,
+    misuse: Vec<String>,
+    counters: SimCounters,
+    capture_seq: u64,
+    pool_streams: u64,
+}
+
+enum Clock {
+    Manual(AtomicU64),
+    Real(Instant),
+}
+
+impl Clock {
+    fn now(&self) -> u64 {
+        match self {
+            Clock::Manual(t) => t.load(Ordering::Acquire),
+            Clock::Real(start) => start.elapsed().as_nanos() as u64,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct ThreadState {
+    mode: CaptureMode,
+    ctx: u64,
+}
+
+thread_local! {
+    static THREAD: std::cell::RefCell<HashMap<u64, ThreadState>> =
+        std::cell::RefCell::new(HashMap::new());
+}
+
+static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
+
+/// The simulated driver. Thread-safe; cheap to create.
+pub struct SimDriver {
+    id: u64,
+    cfg: SimConfig,
+    clock: Clock,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl std::fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("id", &self.id)
+            .field("now", &self.clock.now())
+            .finish()
+    }
+}
+
+impl Default for SimDriver {
+    fn default() -> Self {
+        SimDriver::new()
+    }
+}
+
+fn err(code: ErrorCode, call: &'static str) -> Error {
+    Error::driver(code, call)
+}
+
+fn spin(ns: u64) {
+    if ns == 0 {
+        return;
+    }
+    let until = Instant::now() + Duration::from_nanos(ns);
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
+}
+
+impl SimDriver {
+    /// A simulation with a manual clock and the H200's properties.
+    pub fn new() -> SimDriver {
+        SimDriver::with_config(SimConfig::default())
+    }
+
+    /// A simulation with a real-time clock and the H200's latencies (the demo's model).
+    pub fn realtime() -> SimDriver {
+        SimDriver::with_config(SimConfig {
+            latency: Some(Latency::default()),
+            ..SimConfig::default()
+        })
+    }
+
+    /// A simulation with the given configuration.
+    pub fn with_config(cfg: SimConfig) -> SimDriver {
+        let clock = if cfg.latency.is_some() {
+            Clock::Real(Instant::now())
+        } else {
+            Clock::Manual(AtomicU64::new(0))
+        };
+        let mut streams = HashMap::new();
+        streams.insert(
+            0,
+            SimStream {
+                flags: 0,
+                priority: 0,
+                queue: VecDeque::new(),
+                free_at: 0,
+                capture: None,
+                used_pool: false,
+            },
+        );
+        SimDriver {
+            id: NEXT_SIM.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            clock,
+            state: Mutex::new(State {
+                next_id: 0x1000,
+                next_ptr: 0x7f00_0000_0000,
+                contexts: HashMap::new(),
+                primary: HashMap::new(),
+                streams,
+                events: HashMap::new(),
+                allocs: BTreeMap::new(),
+                graphs: HashMap::new(),
+                execs: HashMap::new(),
+                modules: HashMap::new(),
+                functions: HashMap::new(),
+                release_threshold: 0,
+                log: Some(Vec::new()),
+                faults: Vec::new(),
+                calls: 0,
+                misuse: Vec::new(),
+                counters: SimCounters::default(),
+                capture_seq: 0,
+                pool_streams: 0,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock (only possible in a test's host function bookkeeping)
+        // must not poison the simulation for everyone else.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn thread(&self) -> ThreadState {
+        THREAD.with(|t| {
+            *t.borrow_mut().entry(self.id).or_insert(ThreadState {
+                mode: CaptureMode::Global,
+                ctx: 0,
+            })
+        })
+    }
+
+    fn set_thread(&self, f: impl FnOnce(&mut ThreadState)) {
+        THREAD.with(|t| {
+            let mut m = t.borrow_mut();
+            let e = m.entry(self.id).or_insert(ThreadState {
+                mode: CaptureMode::Global,
+                ctx: 0,
+            });
+            f(e)
+        })
+    }
+
+    fn lat(&self) -> Option<&Latency> {
+        self.cfg.latency.as_ref()
+    }
+
+    fn cost(&self, pick: impl FnOnce(&Latency) -> u64) {
+        if let Some(l) = self.lat() {
+            spin(pick(l));
+        }
+    }
+
+    /// Enters a call: counts it, applies injected faults, logs it.
+    fn enter<'a>(
+        &'a self,
+        name: &'static str,
+        stream: Option<Stream>,
+        event: Option<Event>,
+        ptr: Option<DevicePtr>,
+    ) -> Result<MutexGuard<'a, State>> {
+        let mut st = self.lock();
+        st.calls += 1;
+        let n = st.calls;
+        let mut fail = None;
+        for f in st.faults.iter_mut() {
+            if f.remaining == 0 {
+                continue;
+            }
+            let hit = match (f.nth, f.name) {
+                (Some(k), _) => k == n,
+                (None, Some(want)) => want == name,
+                (None, None) => true,
+            };
+            if hit {
+                f.remaining -= 1;
+                fail = Some(f.code);
+                break;
+            }
+        }
+        st.faults.retain(|f| f.remaining > 0);
+        if let Some(log) = st.log.as_mut() {
+            log.push(Call {
+                name,
+                stream,
+                event,
+                ptr,
+                ok: fail.is_none(),
+            });
+        }
+        match fail {
+            Some(code) => Err(err(code, name)),
+            None => Ok(st),
+        }
+    }
+
+    fn fail_last(st: &mut State) {
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.ok = false;
+        }
+    }
+
+    fn need_ctx(&self, st: &mut State, call: &'static str) -> Result<u64> {
+        let ctx = self.thread().ctx;
+        if ctx == 0 || !st.contexts.contains_key(&ctx) {
+            Self::fail_last(st);
+            return Err(err(ErrorCode::ERROR_INVALID_CONTEXT, call));
+        }
+        Ok(ctx)
+    }
+
+    fn fail<T>(st: &mut State, code: ErrorCode, call: &'static str) -> Result<T> {
+        Self::fail_last(st);
+        Err(err(code, call))
+    }
+
+    fn note_misuse(st: &mut State, what: String) {
+        st.misuse.push(what);
+    }
+
+    fn check_stream(st: &mut State, s: Stream, call: &'static str) -> Result<()> {
+        if st.streams.contains_key(&s.0) {
+            Ok(())
+        } else {
+            Self::note_misuse(st, format!("{call} on unknown or destroyed stream {:#x}", s.0));
+            Self::fail(st, ErrorCode::ERROR_INVALID_HANDLE, call)
+        }
+    }
+
+    fn check_event(st: &mut State, e: Event, call: &'static str) -> Result<()> {
+        if st.events.contains_key(&e.0) {
+            Ok(())
+        } else {
+            Self::note_misuse(st, format!("{call} on unknown or destroyed event {:#x}", e.0));
+            Self::fail(st, ErrorCode::ERROR_INVALID_HANDLE, call)
+        }
+    }
+
+    /// The allocation containing `[ptr, ptr+bytes)`, if live.
+    fn check_range(st: &mut State, ptr: u64, bytes: usize, call: &'static str) -> Result<()> {
+        let ok = match st.allocs.range(..=ptr).next_back() {
+            Some((base, a)) => {
+                !a.free_pending && ptr + bytes as u64 <= base + a.data.len() as u64
+            }
+            None => false,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Self::note_misuse(
+                st,
+                format!("{call} on {bytes} bytes at {ptr:#x}, which is not live device memory"),
+            );
+            Self::fail(st, ErrorCode::ERROR_INVALID_VALUE, call)
+        }
+    }
+
+    /// Rules for "potentially unsafe" calls (queries and synchronizations) under capture: the
+    /// calling thread in global mode conflicts with any global capture of another thread, and
+    /// any thread not in relaxed mode conflicts with its own non-relaxed captures. Conflicting
+    /// captures are invalidated and the call fails.
+    fn unsafe_call(&self, st: &mut State, call: &'static str) -> Result<()> {
+        let me = std::thread::current().id();
+        let mode = self.thread().mode;
+        if mode == CaptureMode::Relaxed {
+            return Ok(());
+        }
+        let mut hit = false;
+        for s in st.streams.values_mut() {
+            if let Some(c) = s.capture.as_mut() {
+                let conflict = (c.thread == me && c.mode != CaptureMode::Relaxed)
+                    || (c.thread != me
+                        && c.mode == CaptureMode::Global
+                        && mode == CaptureMode::Global);
+                if conflict {
+                    c.invalidated = true;
+                    hit = true;
+                }
+            }
+        }
+        if hit {
+            return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED, call);
+        }
+        Ok(())
+    }
+
+    /// Querying or synchronizing a capturing stream is illegal and invalidates its capture.
+    fn not_capturing(st: &mut State, s: Stream, call: &'static str) -> Result<()> {
+        if let Some(c) = st.streams.get_mut(&s.0).and_then(|x| x.capture.as_mut()) {
+            c.invalidated = true;
+            return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED, call);
+        }
+        Ok(())
+    }
+
+    /// Enqueues an operation on a stream, or records it into the stream's capture.
+    fn enqueue(
+        &self,
+        st: &mut State,
+        s: Stream,
+        kind: OpKind,
+        dur: u64,
+        call: &'static str,
+    ) -> Result<()> {
+        let now = self.clock.now();
+        let stream = st.streams.get_mut(&s.0).expect("checked by the caller");
+        if let Some(c) = stream.capture.as_mut() {
+            if c.invalidated {
+                return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED, call);
+            }
+            match kind {
+                OpKind::Effect(e) => c.ops.push((e, dur)),
+                OpKind::Host { f, .. } => c.ops.push((Effect::Host(Arc::new(Mutex::new(f))), dur)),
+                // Records and waits inside a capture become graph edges; the model keeps the
+                // graph's operations in stream order, which is what the edges guarantee here.
+                OpKind::Record { .. } | OpKind::Wait { .. } => {}
+                OpKind::Graph(ops) => {
+                    for (e, d) in ops.iter() {
+                        c.ops.push((Self::clone_effect(e), *d));
+                    }
+                }
+            }
+            return Ok(());
+        }
+        stream.queue.push_back(Op {
+            kind,
+            dur,
+            start: None,
+            enq: now,
+        });
+        self.progress(st);
+        Ok(())
+    }
+
+    fn clone_effect(e: &Effect) -> Effect {
+        match e {
+            Effect::Work => Effect::Work,
+            Effect::Memset { ptr, value, count } => Effect::Memset {
+                ptr: *ptr,
+                value: *value,
+                count: *count,
+            },
+            Effect::HtoD { dst, data } => Effect::HtoD {
+                dst: *dst,
+                data: data.clone(),
+            },
+            Effect::DtoH { dst, src, bytes } => Effect::DtoH {
+                dst: *dst,
+                src: *src,
+                bytes: *bytes,
+            },
+            Effect::Free { ptr } => Effect::Free { ptr: *ptr },
+            Effect::Kernel { k, args } => Effect::Kernel {
+                k: *k,
+                args: args.clone(),
+            },
+            Effect::Host(h) => Effect::Host(h.clone()),
+        }
+    }
+
+    /// Completes every operation whose time has come, in stream order, following event waits.
+    fn progress(&self, st: &mut State) {
+        let now = self.clock.now();
+        loop {
+            let mut changed = false;
+            let ids: Vec<u64> = st
+                .streams
+                .iter()
+                .filter(|(_, s)| !s.queue.is_empty())
+                .map(|(k, _)| *k)
+                .collect();
+            for id in ids {
+                loop {
+                    let (events, streams) = (&st.events, &mut st.streams);
+                    let s = streams.get_mut(&id).unwrap();
+                    let free_at = s.free_at;
+                    let Some(head) = s.queue.front_mut() else {
+                        break;
+                    };
+                    if head.start.is_none() {
+                        let eligible = match &head.kind {
+                            OpKind::Wait { event, seq } => match events.get(event) {
+                                Some(e) if e.done >= *seq => Some(e.done_at),
+                                Some(_) => None,
+                                None => Some(now),
+                            },
+                            _ => Some(free_at),
+                        };
+                        let Some(t) = eligible else { break };
+                        head.start = Some(t.max(head.enq).max(free_at));
+                    }
+                    let start = head.start.unwrap();
+                    if start > now {
+                        break;
+                    }
+                    if let OpKind::Host { f, done } = &mut head.kind {
+                        if let Some(f) = f.take() {
+                            let done = done.clone();
+                            std::thread::spawn(move || {
+                                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+                                done.store(true, Ordering::Release);
+                            });
+                        }
+                        if !done.load(Ordering::Acquire) {
+                            break;
+                        }
+                        head.dur = now.saturating_sub(start);
+                    }
+                    let end = start + head.dur;
+                    if end > now {
+                        break;
+                    }
+                    let op = s.queue.pop_front().unwrap();
+                    s.free_at = end;
+                    changed = true;
+                    match op.kind {
+                        OpKind::Effect(e) => Self::apply(st, &e),
+                        OpKind::Graph(ops) => {
+                            for (e, _) in ops.iter() {
+                                Self::apply(st, e);
+                            }
+                        }
+                        OpKind::Record { event, seq } => {
+                            if let Some(ev) = st.events.get_mut(&event) {
+                                if seq > ev.done {
+                                    ev.done = seq;
+                                    ev.done_at = end;
+                                }
+                            }
+                        }
+                        OpKind::Wait { .. } | OpKind::Host { .. } => {}
+                    }
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    fn apply(st: &mut State, e: &Effect) {
+        fn mem<'a>(st: &'a mut State, ptr: u64, bytes: usize) -> Option<&'a mut [u8]> {
+            let (base, a) = st.allocs.range_mut(..=ptr).next_back()?;
+            let off = (ptr - base) as usize;
+            a.data.get_mut(off..off + bytes)
+        }
+        let bad = |st: &mut State, what: &str, ptr: u64| {
+            st.misuse.push(format!(
+                "{what} at {ptr:#x} executed on the GPU after the memory was freed"
+            ))
+        };
+        match e {
+            Effect::Work => {}
+            Effect::Memset { ptr, value, count } => match mem(st, *ptr, count * 4) {
+                Some(m) => {
+                    for w in m.chunks_exact_mut(4) {
+                        w.copy_from_slice(&value.to_ne_bytes());
+                    }
+                }
+                None => bad(st, "memset", *ptr),
+            },
+            Effect::HtoD { dst, data } => match mem(st, *dst, data.len()) {
+                Some(m) => m.copy_from_slice(data),
+                None => bad(st, "host-to-device copy", *dst),
+            },
+            Effect::DtoH { dst, src, bytes } => match mem(st, *src, *bytes) {
+                Some(m) => {
+                    // SAFETY: `memcpy_dtoh_async`'s contract keeps `dst` valid for `bytes`
+                    // writes until the copy completes, which is now.
+                    unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), *dst as *mut u8, *bytes) }
+                }
+                None => bad(st, "device-to-host copy", *src),
+            },
+            Effect::Free { ptr } => {
+                if let Some(a) = st.allocs.remove(ptr) {
+                    st.counters.live_alloc_bytes -= a.data.len() as u64;
+                    st.counters.live_allocs -= 1;
+                } else {
+                    bad(st, "free", *ptr);
+                }
+            }
+            Effect::Kernel { k, args } => {
+                let n = args[1] as usize;
+                match k {
+                    Kernel::AddOneF32 | Kernel::AddU32 => match mem(st, args[0], n * 4) {
+                        Some(m) => {
+                            for w in m.chunks_exact_mut(4) {
+                                let b: [u8; 4] = w.try_into().unwrap();
+                                let v = if *k == Kernel::AddOneF32 {
+                                    (f32::from_ne_bytes(b) + 1.0).to_ne_bytes()
+                                } else {
+                                    u32::from_ne_bytes(b)
+                                        .wrapping_add(args[2] as u32)
+                                        .to_ne_bytes()
+                                };
+                                w.copy_from_slice(&v);
+                            }
+                        }
+                        None => bad(st, "kernel", args[0]),
+                    },
+                    Kernel::SumF32 => {
+                        let n = args[2] as usize;
+                        let sum: f32 = match mem(st, args[0], n * 4) {
+                            Some(m) => m
+                                .chunks_exact(4)
+                                .map(|w| f32::from_ne_bytes(w.try_into().unwrap()))
+                                .sum(),
+                            None => {
+                                bad(st, "kernel", args[0]);
+                                return;
+                            }
+                        };
+                        match mem(st, args[1], 4) {
+                            Some(m) => {
+                                let old = f32::from_ne_bytes(m[..4].try_into().unwrap());
+                                m.copy_from_slice(&(old + sum).to_ne_bytes());
+                            }
+                            None => bad(st, "kernel", args[1]),
+                        }
+                    }
+                }
+            }
+            Effect::Host(h) => {
+                let f = h.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(f) = f {
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+                }
+            }
+        }
+    }
+
+    /// Waits (jumping the manual clock, or sleeping on the real one) until `done` holds.
+    fn wait_until<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        call: &'static str,
+        done: impl Fn(&State) -> bool,
+    ) -> Result<()> {
+        loop {
+            self.progress(&mut st);
+            if done(&st) {
+                if let Some(l) = self.lat() {
+                    drop(st);
+                    spin(l.sync);
+                }
+                return Ok(());
+            }
+            // The next time something completes on its own.
+            let now = self.clock.now();
+            let mut next: Option<u64> = None;
+            let mut host_running = false;
+            for s in st.streams.values() {
+                if let Some(h) = s.queue.front() {
+                    match (&h.kind, h.start) {
+                        (OpKind::Host { .. }, Some(_)) => host_running = true,
+                        (_, Some(t)) => {
+                            let end = (t + h.dur).max(now);
+                            next = Some(next.map_or(end, |n: u64| n.min(end)));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            match (next, &self.clock) {
+                (Some(t), Clock::Manual(c)) => {
+                    c.fetch_max(t, Ordering::AcqRel);
+                }
+                (Some(t), Clock::Real(_)) => {
+                    drop(st);
+                    let dt = t.saturating_sub(self.clock.now());
+                    if dt > 50_000 {
+                        std::thread::sleep(Duration::from_nanos(dt));
+                    } else {
+                        spin(dt);
+                    }
+                    st = self.lock();
+                }
+                (None, _) if host_running => {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                (None, _) => {
+                    Self::note_misuse(
+                        &mut st,
+                        format!("{call} would wait forever: nothing can complete"),
+                    );
+                    return Self::fail(&mut st, ErrorCode::ERROR_UNKNOWN, call);
+                }
+            }
+        }
+    }
+
+    fn new_id(st: &mut State) -> u64 {
+        st.next_id += 0x10;
+        st.next_id
+    }
+
+    fn device_bytes(&self, st: &State) -> u64 {
+        st.counters.live_alloc_bytes + st.counters.live_streams * STREAM_BYTES
+    }
+
+    fn note_peak(&self, st: &mut State) {
+        let b = self.device_bytes(st);
+        st.counters.peak_device_bytes = st.counters.peak_device_bytes.max(b);
+    }
+
+    // ---- test controls ----------------------------------------------------------------------
+
+    /// Advances the manual clock by `ns` and completes what is due. No effect on a real clock.
+    pub fn advance(&self, ns: u64) {
+        if let Clock::Manual(c) = &self.clock {
+            c.fetch_add(ns, Ordering::AcqRel);
+        }
+        let mut st = self.lock();
+        self.progress(&mut st);
+    }
+
+    /// The simulated time in nanoseconds.
+    pub fn now(&self) -> u64 {
+        self.clock.now()
+    }
+
+    /// Enqueues `ns` of GPU work on a stream (a stand-in for a kernel in tests).
+    pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
+        let mut st = self.enter("sim:work", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "sim:work")?;
+        self.enqueue(&mut st, stream, OpKind::Effect(Effect::Work), ns, "sim:work")
+    }
+
+    /// Whether a stream has pending work, without the capture rules of `cuStreamQuery` and
+    /// without logging: the tests' view from outside.
+    pub fn is_busy(&self, stream: Stream) -> bool {
+        let mut st = self.lock();
+        self.progress(&mut st);
+        st.streams.get(&stream.0).is_some_and(|s| !s.queue.is_empty())
+    }
+
+    /// Whether a stream exists (created and not destroyed).
+    pub fn stream_exists(&self, stream: Stream) -> bool {
+        self.lock().streams.contains_key(&stream.0)
+    }
+
+    /// Makes the `n`-th driver call from now (1 = the next one) fail with `code`.
+    pub fn fail_nth_call(&self, n: u64, code: ErrorCode) {
+        let mut st = self.lock();
+        let at = st.calls + n;
+        st.faults.push(Fault {
+            name: None,
+            nth: Some(at),
+            remaining: 1,
+            code,
+        });
+    }
+
+    /// Makes the next `times` calls of the entry point `name` fail with `code`
+    /// (`u64::MAX`: every call until [`SimDriver::clear_faults`]).
+    pub fn fail_calls(&self, name: &'static str, code: ErrorCode, times: u64) {
+        self.lock().faults.push(Fault {
+            name: Some(name),
+            nth: None,
+            remaining: times,
+            code,
+        });
+    }
+
+    /// Removes every injected fault.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// The logged calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().log.clone().unwrap_or_default()
+    }
+
+    /// Clears the call log.
+    pub fn clear_calls(&self) {
+        if let Some(l) = self.lock().log.as_mut() {
+            l.clear()
+        }
+    }
+
+    /// Turns the call log on or off (the demo turns it off).
+    pub fn set_logging(&self, on: bool) {
+        self.lock().log = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks.
+    pub fn misuse(&self) -> Vec<String> {
+        self.lock().misuse.clone()
+    }
+
+    /// Resource counters.
+    pub fn counters(&self) -> SimCounters {
+        self.lock().counters.clone()
+    }
+
+    /// Device memory in use: allocations plus 560 KiB per live stream.
+    pub fn device_memory_used(&self) -> u64 {
+        let st = self.lock();
+        self.device_bytes(&st)
+    }
+
+    /// The number of driver calls made so far.
+    pub fn call_count(&self) -> u64 {
+        self.lock().calls
+    }
+}
+
+impl Driver for SimDriver {
+    fn kind(&self) -> &'static str {
+        "sim"
+    }
+
+    fn init(&self) -> Result<()> {
+        self.enter("cuInit", None, None, None).map(|_| ())
+    }
+
+    fn driver_version(&self) -> Result<i32> {
+        drop(self.enter("cuDriverGetVersion", None, None, None)?);
+        Ok(self.cfg.driver_version)
+    }
+
+    fn device_count(&self) -> Result<i32> {
+        drop(self.enter("cuDeviceGetCount", None, None, None)?);
+        Ok(self.cfg.devices)
+    }
+
+    fn device_get(&self, ordinal: i32) -> Result<Device> {
+        let mut st = self.enter("cuDeviceGet", None, None, None)?;
+        if ordinal < 0 || ordinal >= self.cfg.devices {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGet");
+        }
+        Ok(Device(ordinal as u64))
+    }
+
+    fn device_name(&self, dev: Device) -> Result<String> {
+        let mut st = self.enter("cuDeviceGetName", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGetName");
+        }
+        Ok(self.cfg.device_name.clone())
+    }
+
+    fn device_attribute(&self, dev: Device, attr: DeviceAttr) -> Result<i32> {
+        let mut st = self.enter("cuDeviceGetAttribute", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGetAttribute");
+        }
+        Ok(match attr {
+            DeviceAttr::MultiprocessorCount => 132,
+            DeviceAttr::ComputeCapabilityMajor => 9,
+            DeviceAttr::ComputeCapabilityMinor => 0,
+            DeviceAttr::MemoryPoolsSupported => 1,
+        })
+    }
+
+    fn primary_ctx_retain(&self, dev: Device) -> Result<Context> {
+        let mut st = self.enter("cuDevicePrimaryCtxRetain", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDevicePrimaryCtxRetain",
+            );
+        }
+        let ctx = match st.primary.get(&dev.0) {
+            Some(c) => *c,
+            None => {
+                let c = Self::new_id(&mut st);
+                st.primary.insert(dev.0, c);
+                st.contexts.insert(c, (dev.0, 0));
+                c
+            }
+        };
+        let e = st.contexts.get_mut(&ctx).unwrap();
+        e.1 += 1;
+        if e.1 == 1 {
+            st.counters.live_contexts += 1;
+        }
+        Ok(Context(ctx))
+    }
+
+    fn primary_ctx_release(&self, dev: Device) -> Result<()> {
+        let mut st = self.enter("cuDevicePrimaryCtxRelease_v2", None, None, None)?;
+        let ctx = st.primary.get(&dev.0).copied();
+        match ctx.and_then(|c| st.contexts.get_mut(&c)) {
+            Some(e) if e.1 > 0 => {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    st.counters.live_contexts -= 1;
+                }
+                Ok(())
+            }
+            _ => Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_CONTEXT,
+                "cuDevicePrimaryCtxRelease_v2",
+            ),
+        }
+    }
+
+    fn ctx_get_current(&self) -> Result<Context> {
+        drop(self.enter("cuCtxGetCurrent", None, None, None)?);
+        Ok(Context(self.thread().ctx))
+    }
+
+    fn ctx_set_current(&self, ctx: Context) -> Result<()> {
+        let mut st = self.enter("cuCtxSetCurrent", None, None, None)?;
+        if !ctx.is_null() && !st.contexts.contains_key(&ctx.0) {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_CONTEXT, "cuCtxSetCurrent");
+        }
+        self.set_thread(|t| t.ctx = ctx.0);
+        Ok(())
+    }
+
+    fn ctx_get_device(&self) -> Result<Device> {
+        let mut st = self.enter("cuCtxGetDevice", None, None, None)?;
+        let ctx = self.need_ctx(&mut st, "cuCtxGetDevice")?;
+        Ok(Device(st.contexts[&ctx].0))
+    }
+
+    fn ctx_synchronize(&self) -> Result<()> {
+        let mut st = self.enter("cuCtxSynchronize", None, None, None)?;
+        self.need_ctx(&mut st, "cuCtxSynchronize")?;
+        self.unsafe_call(&mut st, "cuCtxSynchronize")?;
+        if let Some(l) = self.lat() {
+            // Synchronizing a context costs more with every live stream that has done work
+            // (DESIGN.md: 0.1 ms at 10, 2.6 ms at 1,000, 83 ms at 5,000, 319 ms at 12,000).
+            let n = st.counters.live_streams;
+            let per = (2_600 + 3_500 * n.saturating_sub(1_000) / 1_000).min(27_000);
+            let ns = n * per.max(10_000 * n.min(10) / n.max(1));
+            drop(st);
+            spin(ns.min(l.sync * 200_000));
+            st = self.lock();
+        }
+        self.wait_until(st, "cuCtxSynchronize", |st| {
+            st.streams.values().all(|s| s.queue.is_empty())
+        })
+    }
+
+    fn ctx_stream_priority_range(&self) -> Result<(i32, i32)> {
+        drop(self.enter("cuCtxGetStreamPriorityRange", None, None, None)?);
+        Ok(self.cfg.priority_range)
+    }
+
+    fn stream_create(&self, flags: u32, priority: i32) -> Result<Stream> {
+        self.cost(|l| l.stream_create);
+        let mut st = self.enter("cuStreamCreateWithPriority", None, None, None)?;
+        self.need_ctx(&mut st, "cuStreamCreateWithPriority")?;
+        if flags > stream_flags::NON_BLOCKING {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuStreamCreateWithPriority",
+            );
+        }
+        if st.counters.live_streams * STREAM_BYTES + st.counters.live_alloc_bytes + STREAM_BYTES
+            > self.cfg.total_memory
+        {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_OUT_OF_MEMORY,
+                "cuStreamCreateWithPriority",
+            );
+        }
+        let (least, greatest) = self.cfg.priority_range;
+        let priority = priority.clamp(greatest, least);
+        let id = Self::new_id(&mut st);
+        st.streams.insert(
+            id,
+            SimStream {
+                flags,
+                priority,
+                queue: VecDeque::new(),
+                free_at: 0,
+                capture: None,
+                used_pool: false,
+            },
+        );
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.stream = Some(Stream(id));
+        }
+        let c = &mut st.counters;
+        c.live_streams += 1;
+        c.streams_created += 1;
+        c.peak_streams = c.peak_streams.max(c.live_streams);
+        self.note_peak(&mut st);
+        Ok(Stream(id))
+    }
+
+    fn stream_destroy(&self, stream: Stream) -> Result<()> {
+        self.cost(|l| l.stream_destroy);
+        let mut st = self.enter("cuStreamDestroy_v2", Some(stream), None, None)?;
+        if stream.is_null() {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuStreamDestroy_v2");
+        }
+        Self::check_stream(&mut st, stream, "cuStreamDestroy_v2")?;
+        self.progress(&mut st);
+        let s = st.streams.remove(&stream.0).unwrap();
+        if !s.queue.is_empty() {
+            // The driver returns at once and finishes the work later; the crate must never do
+            // this, so the simulation reports it (and completes the work's effects now).
+            Self::note_misuse(
+                &mut st,
+                format!("stream {:#x} destroyed with pending work", stream.0),
+            );
+            for op in s.queue {
+                if let OpKind::Effect(e) = op.kind {
+                    Self::apply(&mut st, &e);
+                }
+            }
+        }
+        if s.capture.is_some() {
+            Self::note_misuse(&mut st, format!("stream {:#x} destroyed while capturing", stream.0));
+        }
+        if s.used_pool {
+            st.pool_streams -= 1;
+        }
+        st.counters.live_streams -= 1;
+        st.counters.streams_destroyed += 1;
+        Ok(())
+    }
+
+    fn stream_query(&self, stream: Stream) -> Result<bool> {
+        self.cost(|l| l.query);
+        let mut st = self.enter("cuStreamQuery", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamQuery")?;
+        Self::not_capturing(&mut st, stream, "cuStreamQuery")?;
+        self.unsafe_call(&mut st, "cuStreamQuery")?;
+        self.progress(&mut st);
+        Ok(st.streams[&stream.0].queue.is_empty())
+    }
+
+    fn stream_synchronize(&self, stream: Stream) -> Result<()> {
+        let mut st = self.enter("cuStreamSynchronize", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamSynchronize")?;
+        Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
+        self.unsafe_call(&mut st, "cuStreamSynchronize")?;
+        self.wait_until(st, "cuStreamSynchronize", |st| {
+            st.streams
+                .get(&stream.0)
+                .is_none_or(|s| s.queue.is_empty())
+        })
+    }
+
+    fn stream_priority(&self, stream: Stream) -> Result<i32> {
+        let mut st = self.enter("cuStreamGetPriority", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetPriority")?;
+        Ok(st.streams[&stream.0].priority)
+    }
+
+    fn stream_flags(&self, stream: Stream) -> Result<u32> {
+        let mut st = self.enter("cuStreamGetFlags", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetFlags")?;
+        Ok(st.streams[&stream.0].flags)
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        self.cost(|l| l.event);
+        let mut st = self.enter("cuStreamWaitEvent", Some(stream), Some(event), None)?;
+        Self::check_stream(&mut st, stream, "cuStreamWaitEvent")?;
+        Self::check_event(&mut st, event, "cuStreamWaitEvent")?;
+        let seq = st.events[&event.0].recorded;
+        if seq == 0 {
+            return Ok(());
+        }
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Wait {
+                event: event.0,
+                seq,
+            },
+            0,
+            "cuStreamWaitEvent",
+        )
+    }
+
+    fn event_create(&self, flags: u32) -> Result<Event> {
+        self.cost(|l| l.event);
+        let mut st = self.enter("cuEventCreate", None, None, None)?;
+        self.need_ctx(&mut st, "cuEventCreate")?;
+        if flags > 0xf {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuEventCreate");
+        }
+        let id = Self::new_id(&mut st);
+        st.events.insert(id, SimEvent::default());
+        st.counters.live_events += 1;
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.event = Some(Event(id));
+        }
+        Ok(Event(id))
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+        self.cost(|l| l.event);
+        let mut st = self.enter("cuEventRecord", Some(stream), Some(event), None)?;
+        Self::check_event(&mut st, event, "cuEventRecord")?;
+        Self::check_stream(&mut st, stream, "cuEventRecord")?;
+        if st.streams[&stream.0].capture.is_some() {
+            return self.enqueue(
+                &mut st,
+                stream,
+                OpKind::Record { event: 0, seq: 0 },
+                0,
+                "cuEventRecord",
+            );
+        }
+        let ev = st.events.get_mut(&event.0).unwrap();
+        ev.recorded += 1;
+        let seq = ev.recorded;
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Record {
+                event: event.0,
+                seq,
+            },
+            0,
+            "cuEventRecord",
+        )
+    }
+
+    fn event_query(&self, event: Event) -> Result<bool> {
+        self.cost(|l| l.query);
+        let mut st = self.enter("cuEventQuery", None, Some(event), None)?;
+        Self::check_event(&mut st, event, "cuEventQuery")?;
+        self.unsafe_call(&mut st, "cuEventQuery")?;
+        self.progress(&mut st);
+        let e = &st.events[&event.0];
+        Ok(e.done >= e.recorded)
+    }
+
+    fn event_synchronize(&self, event: Event) -> Result<()> {
+        let mut st = self.enter("cuEventSynchronize", None, Some(event), None)?;
+        Self::check_event(&mut st, event, "cuEventSynchronize")?;
+        self.unsafe_call(&mut st, "cuEventSynchronize")?;
+        let target = st.events[&event.0].recorded;
+        self.wait_until(st, "cuEventSynchronize", |st| {
+            st.events.get(&event.0).is_none_or(|e| e.done >= target)
+        })
+    }
+
+    fn event_destroy(&self, event: Event) -> Result<()> {
+        let mut st = self.enter("cuEventDestroy_v2", None, Some(event), None)?;
+        Self::check_event(&mut st, event, "cuEventDestroy_v2")?;
+        st.events.remove(&event.0);
+        st.counters.live_events -= 1;
+        Ok(())
+    }
+
+    fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+        let n = self.lock().pool_streams;
+        self.cost(|l| l.alloc + l.alloc_per_stream * n);
+        let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuMemAllocAsync")?;
+        if bytes == 0 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemAllocAsync");
+        }
+        if let Some(c) = st.streams[&stream.0].capture.as_ref() {
+            if c.invalidated {
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
+                    "cuMemAllocAsync",
+                );
+            }
+        }
+        if self.device_bytes(&st) + bytes as u64 > self.cfg.total_memory {
+            return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
+        }
+        let p = st.next_ptr;
+        st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
+        st.allocs.insert(
+            p,
+            SimAlloc {
+                data: vec![0; bytes],
+                free_pending: false,
+            },
+        );
+        st.counters.live_alloc_bytes += bytes as u64;
+        st.counters.live_allocs += 1;
+        let s = st.streams.get_mut(&stream.0).unwrap();
+        if !s.used_pool {
+            s.used_pool = true;
+            st.pool_streams += 1;
+        }
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.ptr = Some(DevicePtr(p));
+        }
+        self.note_peak(&mut st);
+        Ok(DevicePtr(p))
+    }
+
+    fn mem_alloc_from_pool_async(
+        &self,
+        bytes: usize,
+        pool: MemPool,
+        stream: Stream,
+    ) -> Result<DevicePtr> {
+        {
+            let mut st = self.enter("cuMemAllocFromPoolAsync", Some(stream), None, None)?;
+            if pool.0 != 1 {
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_INVALID_VALUE,
+                    "cuMemAllocFromPoolAsync",
+                );
+            }
+        }
+        self.mem_alloc_async(bytes, stream)
+    }
+
+    fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.cost(|l| l.alloc);
+        let mut st = self.enter("cuMemFreeAsync", Some(stream), None, Some(ptr))?;
+        Self::check_stream(&mut st, stream, "cuMemFreeAsync")?;
+        match st.allocs.get_mut(&ptr.0) {
+            Some(a) if !a.free_pending => a.free_pending = true,
+            Some(_) => {
+                Self::note_misuse(&mut st, format!("double free of {:#x}", ptr.0));
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
+            None => {
+                Self::note_misuse(&mut st, format!("free of unknown pointer {:#x}", ptr.0));
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
+        }
+        let r = self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Free { ptr: ptr.0 }),
+            0,
+            "cuMemFreeAsync",
+        );
+        if r.is_err() {
+            if let Some(a) = st.allocs.get_mut(&ptr.0) {
+                a.free_pending = false;
+            }
+        }
+        r
+    }
+
+    fn device_default_mem_pool(&self, dev: Device) -> Result<MemPool> {
+        let mut st = self.enter("cuDeviceGetDefaultMemPool", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDeviceGetDefaultMemPool",
+            );
+        }
+        Ok(MemPool(1))
+    }
+
+    fn mem_pool_set_attribute(&self, pool: MemPool, attr: MemPoolAttr, value: u64) -> Result<()> {
+        let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
+        if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolSetAttribute");
+        }
+        st.release_threshold = value;
+        Ok(())
+    }
+
+    fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
+        let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
+        if pool.0 != 1 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolGetAttribute");
+        }
+        Ok(match attr {
+            MemPoolAttr::ReleaseThreshold => st.release_threshold,
+            MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => {
+                st.counters.live_alloc_bytes
+            }
+        })
+    }
+
+    fn mem_get_info(&self) -> Result<(usize, usize)> {
+        let mut st = self.enter("cuMemGetInfo_v2", None, None, None)?;
+        self.need_ctx(&mut st, "cuMemGetInfo_v2")?;
+        let used = self.device_bytes(&st);
+        Ok((
+            (self.cfg.total_memory - used) as usize,
+            self.cfg.total_memory as usize,
+        ))
+    }
+
+    fn memset_d32_async(
+        &self,
+        dst: DevicePtr,
+        value: u32,
+        count: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemsetD32Async", Some(stream), None, Some(dst))?;
+        Self::check_stream(&mut st, stream, "cuMemsetD32Async")?;
+        Self::check_range(&mut st, dst.0, count * 4, "cuMemsetD32Async")?;
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Memset {
+                ptr: dst.0,
+                value,
+                count,
+            }),
+            dur,
+            "cuMemsetD32Async",
+        )
+    }
+
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemcpyHtoDAsync_v2", Some(stream), None, Some(dst))?;
+        Self::check_stream(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
+        Self::check_range(&mut st, dst.0, bytes, "cuMemcpyHtoDAsync_v2")?;
+        // SAFETY: the caller guarantees `src` is readable for `bytes`; the simulation copies the
+        // source at once (as the driver stages pageable memory), so it needs no longer life.
+        let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::HtoD { dst: dst.0, data }),
+            dur,
+            "cuMemcpyHtoDAsync_v2",
+        )
+    }
+
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemcpyDtoHAsync_v2", Some(stream), None, Some(src))?;
+        Self::check_stream(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
+        Self::check_range(&mut st, src.0, bytes, "cuMemcpyDtoHAsync_v2")?;
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::DtoH {
+                dst: dst as usize,
+                src: src.0,
+                bytes,
+            }),
+            dur,
+            "cuMemcpyDtoHAsync_v2",
+        )
+    }
+
+    fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
+        let mut st = self.enter("cuStreamBeginCapture_v2", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamBeginCapture_v2")?;
+        if stream.is_null() {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                "cuStreamBeginCapture_v2",
+            );
+        }
+        if st.streams[&stream.0].capture.is_some() {
+            // Measured on the H200: the nested begin fails and the outer capture stays active.
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_ILLEGAL_STATE,
+                "cuStreamBeginCapture_v2",
+            );
+        }
+        st.capture_seq += 1;
+        let id = st.capture_seq;
+        st.streams.get_mut(&stream.0).unwrap().capture = Some(Capture {
+            mode,
+            id,
+            thread: std::thread::current().id(),
+            ops: Vec::new(),
+            invalidated: false,
+        });
+        Ok(())
+    }
+
+    fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
+        let mut st = self.enter("cuStreamEndCapture", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamEndCapture")?;
+        let me = std::thread::current().id();
+        match st.streams[&stream.0].capture.as_ref() {
+            None => {
+                return Self::fail(&mut st, ErrorCode::ERROR_ILLEGAL_STATE, "cuStreamEndCapture")
+            }
+            Some(c) if c.mode != CaptureMode::Relaxed && c.thread != me => {
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_STREAM_CAPTURE_WRONG_THREAD,
+                    "cuStreamEndCapture",
+                )
+            }
+            Some(_) => {}
+        }
+        let c = st
+            .streams
+            .get_mut(&stream.0)
+            .unwrap()
+            .capture
+            .take()
+            .unwrap();
+        if c.invalidated {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
+                "cuStreamEndCapture",
+            );
+        }
+        let id = Self::new_id(&mut st);
+        st.graphs.insert(id, Arc::new(c.ops));
+        st.counters.live_graphs += 1;
+        Ok(Graph(id))
+    }
+
+    fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
+        self.stream_capture_info(stream).map(|(s, _)| s)
+    }
+
+    fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
+        let mut st = self.enter("cuStreamGetCaptureInfo_v3", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetCaptureInfo_v3")?;
+        Ok(match st.streams[&stream.0].capture.as_ref() {
+            None => (CaptureStatus::None, 0),
+            Some(c) if c.invalidated => (CaptureStatus::Invalidated, c.id),
+            Some(c) => (CaptureStatus::Active, c.id),
+        })
+    }
+
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        drop(self.enter("cuThreadExchangeStreamCaptureMode", None, None, None)?);
+        let mut old = CaptureMode::Global;
+        self.set_thread(|t| {
+            old = t.mode;
+            t.mode = mode;
+        });
+        Ok(old)
+    }
+
+    fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
+        let mut st = self.enter("cuGraphInstantiateWithFlags", None, None, None)?;
+        let Some(g) = st.graphs.get(&graph.0).cloned() else {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuGraphInstantiateWithFlags",
+            );
+        };
+        let id = Self::new_id(&mut st);
+        st.execs.insert(id, g);
+        st.counters.live_graph_execs += 1;
+        Ok(GraphExec(id))
+    }
+
+    fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuGraphLaunch", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuGraphLaunch")?;
+        let Some(g) = st.execs.get(&exec.0).cloned() else {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphLaunch");
+        };
+        let dur = g.iter().map(|(_, d)| d).sum();
+        self.enqueue(&mut st, stream, OpKind::Graph(g), dur, "cuGraphLaunch")
+    }
+
+    fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        let mut st = self.enter("cuGraphUpload", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuGraphUpload")?;
+        if !st.execs.contains_key(&exec.0) {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphUpload");
+        }
+        Ok(())
+    }
+
+    fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
+        let mut st = self.enter("cuGraphExecDestroy", None, None, None)?;
+        if st.execs.remove(&exec.0).is_none() {
+            Self::note_misuse(&mut st, format!("destroy of unknown graph exec {:#x}", exec.0));
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphExecDestroy");
+        }
+        st.counters.live_graph_execs -= 1;
+        Ok(())
+    }
+
+    fn graph_destroy(&self, graph: Graph) -> Result<()> {
+        let mut st = self.enter("cuGraphDestroy", None, None, None)?;
+        if st.graphs.remove(&graph.0).is_none() {
+            Self::note_misuse(&mut st, format!("destroy of unknown graph {:#x}", graph.0));
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphDestroy");
+        }
+        st.counters.live_graphs -= 1;
+        Ok(())
+    }
+
+    fn graph_node_count(&self, graph: Graph) -> Result<usize> {
+        let mut st = self.enter("cuGraphGetNodes", None, None, None)?;
+        match st.graphs.get(&graph.0) {
+            Some(g) => Ok(g.len()),
+            None => Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphGetNodes"),
+        }
+    }
+
+    fn module_load_data(&self, image: &CStr) -> Result<Module> {
+        let mut st = self.enter("cuModuleLoadData", None, None, None)?;
+        self.need_ctx(&mut st, "cuModuleLoadData")?;
+        if !image.to_bytes().windows(8).any(|w| w == b".version") {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_PTX, "cuModuleLoadData");
+        }
+        let id = Self::new_id(&mut st);
+        st.modules.insert(id, ());
+        st.counters.live_modules += 1;
+        Ok(Module(id))
+    }
+
+    fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
+        let mut st = self.enter("cuModuleGetFunction", None, None, None)?;
+        if !st.modules.contains_key(&module.0) {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleGetFunction");
+        }
+        let Some(k) = name.to_str().ok().and_then(Kernel::by_name) else {
+            return Self::fail(&mut st, ErrorCode::ERROR_NOT_FOUND, "cuModuleGetFunction");
+        };
+        let id = Self::new_id(&mut st);
+        st.functions.insert(id, k);
+        Ok(Function(id))
+    }
+
+    fn module_unload(&self, module: Module) -> Result<()> {
+        let mut st = self.enter("cuModuleUnload", None, None, None)?;
+        if st.modules.remove(&module.0).is_none() {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleUnload");
+        }
+        st.counters.live_modules -= 1;
+        Ok(())
+    }
+
+    unsafe fn launch_kernel(
+        &self,
+        func: Function,
+        _grid: [u32; 3],
+        _block: [u32; 3],
+        _shared_bytes: u32,
+        stream: Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuLaunchKernel", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuLaunchKernel")?;
+        let Some(k) = st.functions.get(&func.0).copied() else {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuLaunchKernel");
+        };
+        if params.len() != k.arity() {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuLaunchKernel");
+        }
+        // SAFETY: the caller guarantees each parameter pointer points to a value of the kernel's
+        // declared type: a 64-bit device pointer first (and second for the sum), then 32-bit
+        // unsigned integers.
+        let args: Vec<u64> = unsafe {
+            match k {
+                Kernel::AddOneF32 => vec![*(params[0] as *const u64), *(params[1] as *const u32) as u64],
+                Kernel::SumF32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u64),
+                    *(params[2] as *const u32) as u64,
+                ],
+                Kernel::AddU32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u32) as u64,
+                    *(params[2] as *const u32) as u64,
+                ],
+            }
+        };
+        let n = if k == Kernel::SumF32 { args[2] } else { args[1] } as usize;
+        Self::check_range(&mut st, args[0], n * 4, "cuLaunchKernel")?;
+        if k == Kernel::SumF32 {
+            Self::check_range(&mut st, args[1], 4, "cuLaunchKernel")?;
+        }
+        let dur = self.lat().map_or(0, |l| l.kernel_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Kernel { k, args }),
+            dur,
+            "cuLaunchKernel",
+        )
+    }
+
+    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuLaunchHostFunc", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuLaunchHostFunc")?;
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Host {
+                f: Some(f),
+                done: Arc::new(AtomicBool::new(false)),
+            },
+            0,
+            "cuLaunchHostFunc",
+        )
+    }
+}

@@ -1,0 +1,170 @@
+//! The crate's error type.
+
+use std::fmt;
+
+pub use cuda_stream_pool_sys::{LoadError, MissingSymbol};
+
+/// A driver result code (`CUresult`), kept as the raw number so that codes this crate does not
+/// name still round-trip.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ErrorCode(pub u32);
+
+macro_rules! codes {
+    ($($name:ident = $value:expr),* $(,)?) => {
+        impl ErrorCode {
+            $(
+                #[doc = concat!("`CUDA_", stringify!($name), "` (", stringify!($value), ")")]
+                pub const $name: ErrorCode = ErrorCode($value);
+            )*
+            /// The driver's name for this code, e.g. `CUDA_ERROR_ILLEGAL_STATE`, when the crate
+            /// knows it.
+            pub fn known_name(self) -> Option<&'static str> {
+                match self.0 {
+                    $($value => Some(concat!("CUDA_", stringify!($name))),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+codes! {
+    SUCCESS = 0,
+    ERROR_INVALID_VALUE = 1,
+    ERROR_OUT_OF_MEMORY = 2,
+    ERROR_NOT_INITIALIZED = 3,
+    ERROR_DEINITIALIZED = 4,
+    ERROR_STUB_LIBRARY = 34,
+    ERROR_INSUFFICIENT_DRIVER = 35,
+    ERROR_DEVICE_UNAVAILABLE = 46,
+    ERROR_NO_DEVICE = 100,
+    ERROR_INVALID_DEVICE = 101,
+    ERROR_INVALID_IMAGE = 200,
+    ERROR_INVALID_CONTEXT = 201,
+    ERROR_NO_BINARY_FOR_GPU = 209,
+    ERROR_INVALID_PTX = 218,
+    ERROR_UNSUPPORTED_PTX_VERSION = 222,
+    ERROR_INVALID_SOURCE = 300,
+    ERROR_FILE_NOT_FOUND = 301,
+    ERROR_INVALID_HANDLE = 400,
+    ERROR_ILLEGAL_STATE = 401,
+    ERROR_NOT_FOUND = 500,
+    ERROR_NOT_READY = 600,
+    ERROR_ILLEGAL_ADDRESS = 700,
+    ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    ERROR_LAUNCH_FAILED = 719,
+    ERROR_NOT_PERMITTED = 800,
+    ERROR_NOT_SUPPORTED = 801,
+    ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    ERROR_STREAM_CAPTURE_MERGE = 902,
+    ERROR_STREAM_CAPTURE_UNMATCHED = 903,
+    ERROR_STREAM_CAPTURE_UNJOINED = 904,
+    ERROR_STREAM_CAPTURE_ISOLATION = 905,
+    ERROR_STREAM_CAPTURE_IMPLICIT = 906,
+    ERROR_CAPTURED_EVENT = 907,
+    ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
+    ERROR_UNKNOWN = 999,
+}
+
+/// Everything that can go wrong in this crate. No public function panics on bad input or on a
+/// driver failure: it returns one of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A driver entry point returned an error code.
+    Driver {
+        /// The result code.
+        code: ErrorCode,
+        /// Its name, e.g. `CUDA_ERROR_ILLEGAL_STATE`.
+        name: &'static str,
+        /// The entry point that returned it, e.g. `cuStreamBeginCapture_v2`.
+        call: &'static str,
+    },
+    /// The driver library could not be opened; lists what was searched.
+    LibraryNotFound(LoadError),
+    /// The driver does not export an entry point the operation needs.
+    MissingSymbol(MissingSymbol),
+    /// An argument was rejected before reaching the driver (a priority outside the context's
+    /// range, mismatched lengths, a handle of another context, ...).
+    InvalidArgument(String),
+    /// The operation is not allowed while the stream is being captured into a graph.
+    CaptureInProgress(String),
+    /// A stream handle was used after its owner gave it back to the pool.
+    StaleStream,
+}
+
+impl Error {
+    /// The driver's result code, for [`Error::Driver`].
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Builds a driver error whose name comes from the crate's table.
+    pub fn driver(code: ErrorCode, call: &'static str) -> Error {
+        Error::Driver {
+            code,
+            name: code.known_name().unwrap_or("CUDA_ERROR_(unnamed)"),
+            call,
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+        Error::InvalidArgument(msg.into())
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Driver { code, name, call } => write!(f, "{call} failed: {name} ({})", code.0),
+            Error::LibraryNotFound(e) => e.fmt(f),
+            Error::MissingSymbol(e) => e.fmt(f),
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::CaptureInProgress(m) => write!(f, "not allowed during stream capture: {m}"),
+            Error::StaleStream => write!(
+                f,
+                "stream used after its owner returned it to the pool (create an OwnedStream for \
+                 work that outlives the owner)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::LibraryNotFound(e) => Some(e),
+            Error::MissingSymbol(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<LoadError> for Error {
+    fn from(e: LoadError) -> Self {
+        Error::LibraryNotFound(e)
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_name_code_and_call() {
+        let e = Error::driver(ErrorCode::ERROR_ILLEGAL_STATE, "cuStreamBeginCapture_v2");
+        assert_eq!(
+            e.to_string(),
+            "cuStreamBeginCapture_v2 failed: CUDA_ERROR_ILLEGAL_STATE (401)"
+        );
+        assert_eq!(e.code(), Some(ErrorCode(401)));
+        assert_eq!(ErrorCode(12345).known_name(), None);
+    }
+}
