@@ -1,1 +1,89 @@
-fn main(){}
+//! `cuda-stream-pool`: shows which driver the crate runs on and runs the seed's workloads.
+//!
+//! ```text
+//! cargo run --release                     # real driver when present, else the simulation
+//! cargo run --release -- --driver sim     # force the simulation (--driver cuda forces the GPU)
+//! ```
+
+use cuda_stream_pool::driver::{self, Choice, DeviceAttr};
+use cuda_stream_pool::Context;
+use std::process::ExitCode;
+
+mod demo;
+
+fn usage() -> &'static str {
+    "usage: cuda-stream-pool [--driver auto|cuda|sim] [--tasks N] [--threads LIST] \
+     [--strategies LIST] [--workloads LIST] [--json]\n\
+     strategies: pool,floor,fresh,deferred (default: all); workloads: short,prodcons; \
+     threads: e.g. 1,16 (default: 1 and the machine's cores)"
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match demo::Options::parse(&args) {
+        Ok(o) => o,
+        Err(msg) => {
+            eprintln!("{msg}\n{}", usage());
+            return ExitCode::from(2);
+        }
+    };
+    if opts.help {
+        println!("{}", usage());
+        return ExitCode::SUCCESS;
+    }
+    let (drv, fallback) = match driver::load(opts.driver) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("error: cannot use the CUDA driver: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    // The demo's simulation runs on a real-time clock with the H200's measured latencies.
+    let drv: std::sync::Arc<dyn driver::Driver> = if drv.kind() == "sim" {
+        std::sync::Arc::new(driver::SimDriver::realtime())
+    } else {
+        drv
+    };
+    match run(drv, fallback, opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(
+    drv: std::sync::Arc<dyn driver::Driver>,
+    fallback: Option<cuda_stream_pool::Error>,
+    opts: demo::Options,
+) -> cuda_stream_pool::Result<()> {
+    let simulated = drv.kind() == "sim";
+    if simulated {
+        println!("driver: simulated (no GPU used; latencies modelled on an H200)");
+        if let Some(why) = &fallback {
+            if opts.driver == Choice::Auto {
+                println!("        (real driver unavailable: {why})");
+            }
+        }
+    } else {
+        println!("driver: CUDA");
+    }
+    drv.init()?;
+    let dev = drv.device_get(0)?;
+    let version = drv.driver_version()?;
+    let ctx = Context::primary(drv.clone(), 0)?;
+    let range = ctx.priority_range();
+    println!(
+        "device: {} (compute {}.{}, {} SMs), CUDA driver {}.{}, stream priorities {} (least) ..= {} (greatest)",
+        drv.device_name(dev)?,
+        drv.device_attribute(dev, DeviceAttr::ComputeCapabilityMajor)?,
+        drv.device_attribute(dev, DeviceAttr::ComputeCapabilityMinor)?,
+        drv.device_attribute(dev, DeviceAttr::MultiprocessorCount)?,
+        version / 1000,
+        (version % 1000) / 10,
+        range.least,
+        range.greatest
+    );
+    demo::run(&ctx, &opts)
+}

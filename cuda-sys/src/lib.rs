@@ -186,6 +186,8 @@ mod tests {
             symbol: "cuMemAllocAsync",
             since: introduced_in("cuMemAllocAsync"),
         };
-        assert!(m.to_string().contains("cuMemAllocAsync (introduced in CUDA 11.2)"));
+        assert!(m
+            .to_string()
+            .contains("cuMemAllocAsync (introduced in CUDA 11.2)"));
     }
 }

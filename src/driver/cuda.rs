@@ -331,7 +331,10 @@ impl Driver for CudaDriver {
         let f = sym!(self.cuMemAllocAsync);
         let mut p: ffi::CUdeviceptr = 0;
         // SAFETY: out-parameter is a live local.
-        self.check(unsafe { f(&mut p, bytes, ptr(stream.0)) }, "cuMemAllocAsync")?;
+        self.check(
+            unsafe { f(&mut p, bytes, ptr(stream.0)) },
+            "cuMemAllocAsync",
+        )?;
         Ok(DevicePtr(p))
     }
 

@@ -248,8 +248,13 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuMemGetInfo_v2`: (free, total) bytes.
     fn mem_get_info(&self) -> Result<(usize, usize)>;
     /// `cuMemsetD32Async`: `count` 32-bit words.
-    fn memset_d32_async(&self, dst: DevicePtr, value: u32, count: usize, stream: Stream)
-        -> Result<()>;
+    fn memset_d32_async(
+        &self,
+        dst: DevicePtr,
+        value: u32,
+        count: usize,
+        stream: Stream,
+    ) -> Result<()>;
     /// `cuMemcpyHtoDAsync_v2`.
     ///
     /// # Safety

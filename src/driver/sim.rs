@@ -188,9 +188,18 @@ enum Effect {
 
 enum OpKind {
     Effect(Effect),
-    Record { event: u64, seq: u64 },
-    Wait { event: u64, seq: u64 },
-    Host { f: Option<HostFn>, done: Arc<AtomicBool> },
+    Record {
+        event: u64,
+        seq: u64,
+    },
+    Wait {
+        event: u64,
+        seq: u64,
+    },
+    Host {
+        f: Option<HostFn>,
+        done: Arc<AtomicBool>,
+    },
     Graph(Arc<Vec<(Effect, u64)>>),
 }
 
@@ -493,7 +502,10 @@ impl SimDriver {
         if st.streams.contains_key(&s.0) {
             Ok(())
         } else {
-            Self::note_misuse(st, format!("{call} on unknown or destroyed stream {:#x}", s.0));
+            Self::note_misuse(
+                st,
+                format!("{call} on unknown or destroyed stream {:#x}", s.0),
+            );
             Self::fail(st, ErrorCode::ERROR_INVALID_HANDLE, call)
         }
     }
@@ -502,7 +514,10 @@ impl SimDriver {
         if st.events.contains_key(&e.0) {
             Ok(())
         } else {
-            Self::note_misuse(st, format!("{call} on unknown or destroyed event {:#x}", e.0));
+            Self::note_misuse(
+                st,
+                format!("{call} on unknown or destroyed event {:#x}", e.0),
+            );
             Self::fail(st, ErrorCode::ERROR_INVALID_HANDLE, call)
         }
     }
@@ -510,9 +525,7 @@ impl SimDriver {
     /// The allocation containing `[ptr, ptr+bytes)`, if live.
     fn check_range(st: &mut State, ptr: u64, bytes: usize, call: &'static str) -> Result<()> {
         let ok = match st.allocs.range(..=ptr).next_back() {
-            Some((base, a)) => {
-                !a.free_pending && ptr + bytes as u64 <= base + a.data.len() as u64
-            }
+            Some((base, a)) => !a.free_pending && ptr + bytes as u64 <= base + a.data.len() as u64,
             None => false,
         };
         if ok {
@@ -899,7 +912,13 @@ impl SimDriver {
     pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
         let mut st = self.enter("sim:work", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "sim:work")?;
-        self.enqueue(&mut st, stream, OpKind::Effect(Effect::Work), ns, "sim:work")
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Work),
+            ns,
+            "sim:work",
+        )
     }
 
     /// Whether a stream has pending work, without the capture rules of `cuStreamQuery` and
@@ -907,7 +926,9 @@ impl SimDriver {
     pub fn is_busy(&self, stream: Stream) -> bool {
         let mut st = self.lock();
         self.progress(&mut st);
-        st.streams.get(&stream.0).is_some_and(|s| !s.queue.is_empty())
+        st.streams
+            .get(&stream.0)
+            .is_some_and(|s| !s.queue.is_empty())
     }
 
     /// Whether a stream exists (created and not destroyed).
@@ -1020,7 +1041,11 @@ impl Driver for SimDriver {
     fn device_attribute(&self, dev: Device, attr: DeviceAttr) -> Result<i32> {
         let mut st = self.enter("cuDeviceGetAttribute", None, None, None)?;
         if dev.0 >= self.cfg.devices as u64 {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGetAttribute");
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDeviceGetAttribute",
+            );
         }
         Ok(match attr {
             DeviceAttr::MultiprocessorCount => 132,
@@ -1168,7 +1193,11 @@ impl Driver for SimDriver {
         self.cost(|l| l.stream_destroy);
         let mut st = self.enter("cuStreamDestroy_v2", Some(stream), None, None)?;
         if stream.is_null() {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuStreamDestroy_v2");
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_HANDLE,
+                "cuStreamDestroy_v2",
+            );
         }
         Self::check_stream(&mut st, stream, "cuStreamDestroy_v2")?;
         self.progress(&mut st);
@@ -1187,7 +1216,10 @@ impl Driver for SimDriver {
             }
         }
         if s.capture.is_some() {
-            Self::note_misuse(&mut st, format!("stream {:#x} destroyed while capturing", stream.0));
+            Self::note_misuse(
+                &mut st,
+                format!("stream {:#x} destroyed while capturing", stream.0),
+            );
         }
         if s.used_pool {
             st.pool_streams -= 1;
@@ -1213,9 +1245,7 @@ impl Driver for SimDriver {
         Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
         self.unsafe_call(&mut st, "cuStreamSynchronize")?;
         self.wait_until(st, "cuStreamSynchronize", |st| {
-            st.streams
-                .get(&stream.0)
-                .is_none_or(|s| s.queue.is_empty())
+            st.streams.get(&stream.0).is_none_or(|s| s.queue.is_empty())
         })
     }
 
@@ -1432,7 +1462,11 @@ impl Driver for SimDriver {
     fn mem_pool_set_attribute(&self, pool: MemPool, attr: MemPoolAttr, value: u64) -> Result<()> {
         let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
         if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolSetAttribute");
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuMemPoolSetAttribute",
+            );
         }
         st.release_threshold = value;
         Ok(())
@@ -1441,7 +1475,11 @@ impl Driver for SimDriver {
     fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
         let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
         if pool.0 != 1 {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolGetAttribute");
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuMemPoolGetAttribute",
+            );
         }
         Ok(match attr {
             MemPoolAttr::ReleaseThreshold => st.release_threshold,
@@ -1571,7 +1609,11 @@ impl Driver for SimDriver {
         let me = std::thread::current().id();
         match st.streams[&stream.0].capture.as_ref() {
             None => {
-                return Self::fail(&mut st, ErrorCode::ERROR_ILLEGAL_STATE, "cuStreamEndCapture")
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_ILLEGAL_STATE,
+                    "cuStreamEndCapture",
+                )
             }
             Some(c) if c.mode != CaptureMode::Relaxed && c.thread != me => {
                 return Self::fail(
@@ -1664,8 +1706,15 @@ impl Driver for SimDriver {
     fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
         let mut st = self.enter("cuGraphExecDestroy", None, None, None)?;
         if st.execs.remove(&exec.0).is_none() {
-            Self::note_misuse(&mut st, format!("destroy of unknown graph exec {:#x}", exec.0));
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphExecDestroy");
+            Self::note_misuse(
+                &mut st,
+                format!("destroy of unknown graph exec {:#x}", exec.0),
+            );
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuGraphExecDestroy",
+            );
         }
         st.counters.live_graph_execs -= 1;
         Ok(())
@@ -1704,7 +1753,11 @@ impl Driver for SimDriver {
     fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
         let mut st = self.enter("cuModuleGetFunction", None, None, None)?;
         if !st.modules.contains_key(&module.0) {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleGetFunction");
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_HANDLE,
+                "cuModuleGetFunction",
+            );
         }
         let Some(k) = name.to_str().ok().and_then(Kernel::by_name) else {
             return Self::fail(&mut st, ErrorCode::ERROR_NOT_FOUND, "cuModuleGetFunction");
@@ -1746,7 +1799,10 @@ impl Driver for SimDriver {
         // unsigned integers.
         let args: Vec<u64> = unsafe {
             match k {
-                Kernel::AddOneF32 => vec![*(params[0] as *const u64), *(params[1] as *const u32) as u64],
+                Kernel::AddOneF32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u32) as u64,
+                ],
                 Kernel::SumF32 => vec![
                     *(params[0] as *const u64),
                     *(params[1] as *const u64),
@@ -1759,7 +1815,11 @@ impl Driver for SimDriver {
                 ],
             }
         };
-        let n = if k == Kernel::SumF32 { args[2] } else { args[1] } as usize;
+        let n = if k == Kernel::SumF32 {
+            args[2]
+        } else {
+            args[1]
+        } as usize;
         Self::check_range(&mut st, args[0], n * 4, "cuLaunchKernel")?;
         if k == Kernel::SumF32 {
             Self::check_range(&mut st, args[1], 4, "cuLaunchKernel")?;

@@ -1,0 +1,230 @@
+//! Graph capture with guards that leave the capture state as they found it.
+//!
+//! * [`StreamRef::begin_capture`] returns a [`CaptureGuard`]. If the begin fails (for instance a
+//!   nested begin on a stream that is already capturing, which the driver rejects with
+//!   `CUDA_ERROR_ILLEGAL_STATE`), the error is returned and the capture in progress is untouched:
+//!   no guard exists that could end it.
+//! * [`CaptureGuard::end`] returns the [`Graph`]. A guard dropped without `end` (early return,
+//!   `?`, panic) ends the capture and destroys the partial graph, leaving the stream usable.
+//! * [`CaptureModeGuard`] sets the thread's capture mode and restores the previous one on drop;
+//!   the pool runs its queries under one in relaxed mode.
+//!
+//! The default mode of [`StreamRef::begin_capture`] is [`CaptureMode::ThreadLocal`]: calls that
+//! are unsafe during capture are rejected on the capturing thread (where they are bugs), while
+//! other threads, which may be churning owners through the pool, are not affected. Pass
+//! [`CaptureMode::Global`] to [`StreamRef::begin_capture_with`] to get CUDA's default.
+
+use crate::context::Context;
+use crate::driver::{self, CaptureMode, CaptureStatus, Driver};
+use crate::error::{Error, Result};
+use crate::stream::StreamRef;
+
+/// Sets the calling thread's capture mode (`cuThreadExchangeStreamCaptureMode`) and restores the
+/// previous mode when dropped.
+pub struct CaptureModeGuard<'d> {
+    driver: &'d dyn Driver,
+    previous: CaptureMode,
+}
+
+impl<'d> CaptureModeGuard<'d> {
+    /// Switches the calling thread to `mode`.
+    pub fn new(driver: &'d dyn Driver, mode: CaptureMode) -> Result<Self> {
+        let previous = driver.thread_exchange_capture_mode(mode)?;
+        Ok(CaptureModeGuard { driver, previous })
+    }
+
+    /// The mode that will be restored.
+    pub fn previous(&self) -> CaptureMode {
+        self.previous
+    }
+}
+
+impl Drop for CaptureModeGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.driver.thread_exchange_capture_mode(self.previous);
+    }
+}
+
+/// An active capture of a stream; see the [module docs](self).
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, DeviceBuffer};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// let mut buf = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+/// let guard = s.begin_capture().unwrap();
+/// assert!(s.begin_capture().is_err());          // nested begin fails ...
+/// buf.fill(&s, 7).unwrap();                      // ... and the outer capture goes on
+/// let exec = guard.end().unwrap().instantiate().unwrap();
+/// exec.launch(&s).unwrap();
+/// assert_eq!(buf.to_vec(&s).unwrap(), vec![7; 4]);
+/// ```
+pub struct CaptureGuard<'s> {
+    stream: &'s StreamRef,
+    done: bool,
+}
+
+impl StreamRef {
+    /// Begins capturing this stream in thread-local mode.
+    pub fn begin_capture(&self) -> Result<CaptureGuard<'_>> {
+        self.begin_capture_with(CaptureMode::ThreadLocal)
+    }
+
+    /// Begins capturing this stream in `mode`. On failure the stream's capture state, whatever
+    /// it was, is unchanged.
+    pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard<'_>> {
+        self.check()?;
+        let mut st = self.slot.lock();
+        self.ctx
+            .inner
+            .driver
+            .stream_begin_capture(self.slot.raw, mode)?;
+        st.capturing = true;
+        Ok(CaptureGuard {
+            stream: self,
+            done: false,
+        })
+    }
+}
+
+impl CaptureGuard<'_> {
+    /// The stream being captured.
+    pub fn stream(&self) -> &StreamRef {
+        self.stream
+    }
+
+    /// The capture's status and unique id (`cuStreamGetCaptureInfo`).
+    pub fn info(&self) -> Result<(CaptureStatus, u64)> {
+        self.stream
+            .ctx
+            .inner
+            .driver
+            .stream_capture_info(self.stream.slot.raw)
+    }
+
+    fn finish(&mut self) -> Result<driver::Graph> {
+        self.done = true;
+        let ci = &self.stream.ctx.inner;
+        let r = ci.driver.stream_end_capture(self.stream.slot.raw);
+        let still = ci
+            .driver
+            .stream_is_capturing(self.stream.slot.raw)
+            .map(|s| s != CaptureStatus::None)
+            .unwrap_or(false);
+        if !still {
+            self.stream.slot.lock().capturing = false;
+            ci.flush_deferred(Some(&self.stream.slot));
+        }
+        r
+    }
+
+    /// Ends the capture and returns the graph. An invalidated capture reports its error here and
+    /// leaves the stream not capturing.
+    pub fn end(mut self) -> Result<Graph> {
+        let raw = self.finish()?;
+        Ok(Graph {
+            ctx: self.stream.ctx.clone(),
+            raw,
+        })
+    }
+}
+
+impl Drop for CaptureGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Ok(g) = self.finish() {
+                let _ = self.stream.ctx.inner.driver.graph_destroy(g);
+            }
+        }
+    }
+}
+
+/// A captured graph; destroyed when dropped.
+pub struct Graph {
+    ctx: Context,
+    raw: driver::Graph,
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graph").field("raw", &self.raw).finish()
+    }
+}
+
+impl Graph {
+    /// The raw handle.
+    pub fn raw(&self) -> driver::Graph {
+        self.raw
+    }
+
+    /// Number of nodes.
+    pub fn node_count(&self) -> Result<usize> {
+        self.ctx.inner.driver.graph_node_count(self.raw)
+    }
+
+    /// Instantiates the graph. The graph is destroyed either way (on failure too: nothing leaks).
+    pub fn instantiate(self) -> Result<GraphExec> {
+        self.ctx.inner.bind()?;
+        let raw = self.ctx.inner.driver.graph_instantiate(self.raw)?;
+        Ok(GraphExec {
+            ctx: self.ctx.clone(),
+            raw,
+        })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.driver.graph_destroy(self.raw);
+    }
+}
+
+/// An instantiated graph; destroyed when dropped.
+pub struct GraphExec {
+    ctx: Context,
+    raw: driver::GraphExec,
+}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphExec").field("raw", &self.raw).finish()
+    }
+}
+
+impl GraphExec {
+    /// The raw handle.
+    pub fn raw(&self) -> driver::GraphExec {
+        self.raw
+    }
+
+    /// Launches the graph on a stream.
+    pub fn launch(&self, stream: &StreamRef) -> Result<()> {
+        stream.check()?;
+        if !self.ctx.same(&stream.ctx) {
+            return Err(Error::invalid(
+                "graph and stream belong to different contexts",
+            ));
+        }
+        self.ctx
+            .inner
+            .driver
+            .graph_launch(self.raw, stream.slot.raw)
+    }
+
+    /// Uploads the graph's resources ahead of the first launch.
+    pub fn upload(&self, stream: &StreamRef) -> Result<()> {
+        stream.check()?;
+        self.ctx
+            .inner
+            .driver
+            .graph_upload(self.raw, stream.slot.raw)
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.driver.graph_exec_destroy(self.raw);
+    }
+}

@@ -1,0 +1,302 @@
+//! Stream-ordered device memory that remembers the (stream, generation) of its last use.
+//!
+//! * Used on another stream: when the last stream's generation is unchanged, the new stream is
+//!   ordered after the last use on the GPU (one event record + wait; the CPU never waits). When it
+//!   changed, the last stream was handed to a new owner, which only happens once its work had
+//!   completed: nothing waits, and above all nothing waits on the new owner's work.
+//! * Freed (dropped): on the last stream when its generation is unchanged; on the context's
+//!   disposal stream when it was recycled or destroyed. The check and the enqueue happen under the
+//!   stream's lock, so a hand-over cannot slip in between.
+//! * Dropped while its last stream is being captured (by a [`crate::CaptureGuard`]): the free is
+//!   never put into the capture. It is deferred until the capture ends, then enqueued on the
+//!   stream (or on the disposal stream if the stream was recycled meanwhile).
+//! * Allocated inside a capture: the allocation is a node of the graph. Drop such a buffer inside
+//!   the same capture (the free becomes a node too) so that each launch of the graph allocates and
+//!   frees it; a buffer of a capture that outlives the capture is freed after it as above.
+
+use crate::context::Context;
+use crate::driver::DevicePtr;
+use crate::error::{Error, ErrorCode, Result};
+use crate::pool::Slot;
+use crate::stream::StreamRef;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+/// Plain data that can live in device memory: every bit pattern is a valid value.
+///
+/// # Safety
+/// Implement only for `Copy` types without padding for which any bit pattern is valid.
+pub unsafe trait DeviceCopy: Copy + Send + Sync + 'static {}
+
+macro_rules! device_copy {
+    ($($t:ty),*) => { $(
+        // SAFETY: primitive numbers: no padding, every bit pattern valid.
+        unsafe impl DeviceCopy for $t {}
+    )* };
+}
+device_copy!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64, usize, isize);
+
+struct LastUse {
+    slot: Arc<Slot>,
+    gen: u64,
+}
+
+/// A typed device allocation from `cuMemAllocAsync`; see the [module docs](self).
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, DeviceBuffer};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let ctx = Context::primary(drv, 0).unwrap();
+/// let a = ctx.owner();
+/// let s = a.stream().unwrap();
+/// let buf = DeviceBuffer::from_slice(&s, &[1.0f32, 2.0, 3.0]).unwrap();
+/// let b = ctx.owner();
+/// let t = b.stream().unwrap();
+/// buf.use_on(&t).unwrap();                      // t waits for s's copy, on the GPU
+/// assert_eq!(buf.to_vec(&t).unwrap(), vec![1.0, 2.0, 3.0]);
+/// ```
+pub struct DeviceBuffer<T: DeviceCopy> {
+    ctx: Context,
+    ptr: DevicePtr,
+    len: usize,
+    last: Mutex<LastUse>,
+    _t: PhantomData<T>,
+}
+
+impl<T: DeviceCopy> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<T: DeviceCopy> DeviceBuffer<T> {
+    /// Allocates `len` elements on `stream`, uninitialised (any bit pattern is a valid `T`).
+    pub fn alloc(stream: &StreamRef, len: usize) -> Result<Self> {
+        stream.check()?;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|b| *b > 0)
+            .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
+        let ci = &stream.ctx.inner;
+        ci.bind()?;
+        let ptr = ci.driver.mem_alloc_async(bytes, stream.slot.raw)?;
+        Ok(DeviceBuffer {
+            ctx: stream.ctx.clone(),
+            ptr,
+            len,
+            last: Mutex::new(LastUse {
+                slot: stream.slot.clone(),
+                gen: stream.gen,
+            }),
+            _t: PhantomData,
+        })
+    }
+
+    /// Allocates `len` zeroed elements on `stream`.
+    pub fn zeroed(stream: &StreamRef, len: usize) -> Result<Self> {
+        let b = Self::alloc(stream, len)?;
+        let words = len * std::mem::size_of::<T>();
+        if words % 4 == 0 {
+            b.ctx
+                .inner
+                .driver
+                .memset_d32_async(b.ptr, 0, words / 4, stream.slot.raw)?;
+        } else {
+            let zeros = vec![0u8; words];
+            b.copy_bytes_in(stream, &zeros)?;
+        }
+        Ok(b)
+    }
+
+    /// Allocates on `stream` and copies `data` in (blocking until the copy has completed).
+    pub fn from_slice(stream: &StreamRef, data: &[T]) -> Result<Self> {
+        let mut b = Self::alloc(stream, data.len())?;
+        b.copy_from_host(stream, data)?;
+        Ok(b)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements (never: empty allocations are rejected).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device pointer, for kernel parameters. Order the stream first with
+    /// [`DeviceBuffer::use_on`].
+    pub fn as_raw(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The context the memory belongs to.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Prepares the buffer for work on `stream` and records it as the last use: when the last
+    /// stream's generation is unchanged, `stream` is ordered after the last use on the GPU; when
+    /// it changed (recycled), nothing waits.
+    pub fn use_on(&self, stream: &StreamRef) -> Result<()> {
+        stream.check()?;
+        if !self.ctx.same(&stream.ctx) {
+            return Err(Error::invalid(
+                "the buffer belongs to another context than the stream",
+            ));
+        }
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if Arc::ptr_eq(&last.slot, &stream.slot) && last.gen == stream.gen {
+            return Ok(());
+        }
+        {
+            let st = last.slot.lock();
+            if st.generation == last.gen && !st.destroyed {
+                if st.capturing {
+                    return Err(Error::CaptureInProgress(
+                        "the buffer's last stream is capturing; end the capture before using \
+                         the buffer on another stream"
+                            .into(),
+                    ));
+                }
+                self.ctx.inner.order(last.slot.raw, stream.slot.raw)?;
+            }
+        }
+        *last = LastUse {
+            slot: stream.slot.clone(),
+            gen: stream.gen,
+        };
+        Ok(())
+    }
+
+    fn copy_bytes_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
+        self.use_on(stream)?;
+        // SAFETY: `data` outlives the call and the stream is synchronized before returning, so
+        // the copy has finished reading it; the device range is this allocation.
+        unsafe {
+            self.ctx.inner.driver.memcpy_htod_async(
+                self.ptr,
+                data.as_ptr(),
+                data.len(),
+                stream.slot.raw,
+            )?;
+        }
+        self.ctx.inner.driver.stream_synchronize(stream.slot.raw)
+    }
+
+    /// Copies `src` into the buffer on `stream`; returns once the copy has completed.
+    pub fn copy_from_host(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
+        if src.len() != self.len {
+            return Err(Error::invalid(format!(
+                "copy of {} elements into a buffer of {}",
+                src.len(),
+                self.len
+            )));
+        }
+        // SAFETY: T is DeviceCopy (plain data without padding), so its bytes may be read as u8.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
+        };
+        self.copy_bytes_in(stream, bytes)
+    }
+
+    /// Copies the buffer into `dst` on `stream`; returns once the copy has completed.
+    pub fn copy_to_host(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
+        if dst.len() != self.len {
+            return Err(Error::invalid(format!(
+                "copy of a buffer of {} elements into {}",
+                self.len,
+                dst.len()
+            )));
+        }
+        self.use_on(stream)?;
+        // SAFETY: `dst` is exclusively borrowed until we return, and we return only after the
+        // stream (and so the copy) has completed; any bytes are a valid T (DeviceCopy).
+        unsafe {
+            self.ctx.inner.driver.memcpy_dtoh_async(
+                dst.as_mut_ptr() as *mut u8,
+                self.ptr,
+                std::mem::size_of_val(dst),
+                stream.slot.raw,
+            )?;
+        }
+        let r = self.ctx.inner.driver.stream_synchronize(stream.slot.raw);
+        if let Err(e) = &r {
+            if e.code() == Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED) {
+                return Err(Error::CaptureInProgress(
+                    "a blocking copy cannot run while its stream is capturing".into(),
+                ));
+            }
+        }
+        r
+    }
+
+    /// Copies the buffer into a new vector on `stream`; returns once the copy has completed.
+    pub fn to_vec(&self, stream: &StreamRef) -> Result<Vec<T>> {
+        let mut v = Vec::with_capacity(self.len);
+        // SAFETY: T is DeviceCopy: the zeroed bytes are a valid T; all of them are overwritten.
+        unsafe {
+            std::ptr::write_bytes(v.as_mut_ptr(), 0, self.len);
+            v.set_len(self.len);
+        }
+        self.copy_to_host(stream, &mut v)?;
+        Ok(v)
+    }
+
+    /// Sets every element to `value` on `stream` (asynchronously). `T` must be 4 bytes wide.
+    pub fn fill(&mut self, stream: &StreamRef, value: T) -> Result<()> {
+        if std::mem::size_of::<T>() != 4 {
+            return Err(Error::invalid("fill needs a 4-byte element type"));
+        }
+        self.use_on(stream)?;
+        // SAFETY: T is 4 bytes of plain data (checked above), so it can be read as a u32.
+        let word: u32 = unsafe { std::mem::transmute_copy(&value) };
+        self.ctx
+            .inner
+            .driver
+            .memset_d32_async(self.ptr, word, self.len, stream.slot.raw)
+    }
+
+    /// The stream and generation of the last use, for tests and diagnostics: (raw stream,
+    /// generation, whether that generation is still current).
+    pub fn last_use(&self) -> (crate::driver::Stream, u64, bool) {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let st = last.slot.lock();
+        (
+            last.slot.raw,
+            last.gen,
+            st.generation == last.gen && !st.destroyed,
+        )
+    }
+}
+
+impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        let ci = &self.ctx.inner;
+        let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
+        let st = last.slot.lock();
+        if st.generation == last.gen && !st.destroyed {
+            if st.capturing {
+                drop(st);
+                ci.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((
+                    self.ptr,
+                    last.slot.clone(),
+                    last.gen,
+                ));
+                return;
+            }
+            if ci.driver.mem_free_async(self.ptr, last.slot.raw).is_ok() {
+                return;
+            }
+            // The free could not be enqueued on the last stream: free on the disposal stream,
+            // ordered after the last use (its generation is current, so its work may be pending).
+            let _ = ci.order(last.slot.raw, ci.disposal.raw);
+        }
+        drop(st);
+        let _ = ci.free_on_disposal(self.ptr);
+    }
+}

@@ -1,0 +1,324 @@
+//! The stream pool of one context and one (priority, flags) key.
+//!
+//! Retired streams wait in small per-shard lists (`SmallVec`s behind `CachePadded` mutexes). A
+//! thread releases into and acquires from its home shard, so threads that recycle their own
+//! streams never touch the same cache line; when the home shard has nothing usable, the other
+//! shards are searched (work stealing), so an idle stream is found wherever it sits. Nothing on
+//! this path depends on the number of live owners: owners hold their streams outside the pool.
+//!
+//! A retired stream is handed to a new owner only when `cuStreamQuery` says its work has completed;
+//! a busy one is skipped, never waited for. Queries run in relaxed capture mode so that they can
+//! never invalidate a capture that another thread runs in global mode.
+
+use crate::capture::CaptureModeGuard;
+use crate::driver::{CaptureMode, Driver, Stream};
+use crate::error::Result;
+use crossbeam_utils::CachePadded;
+use smallvec::SmallVec;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Idle streams kept per (priority, flags) key; idle streams beyond this are destroyed the next
+/// time the pool is searched.
+pub const MAX_IDLE: usize = 32;
+
+/// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
+/// never by its handle value (handles are reused after destroy).
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) raw: Stream,
+    pub(crate) priority: i32,
+    pub(crate) flags: u32,
+    pub(crate) state: Mutex<SlotState>,
+}
+
+/// What the stream's lock guards: the generation and whether the stream still exists. The
+/// generation is bumped on every hand-over and on destroy, under this lock, so a free that checks
+/// the generation and enqueues while holding the lock cannot race with a hand-over.
+#[derive(Debug, Default)]
+pub(crate) struct SlotState {
+    pub(crate) generation: u64,
+    pub(crate) destroyed: bool,
+    /// Set while a capture guard of this crate captures the stream.
+    pub(crate) capturing: bool,
+}
+
+impl Slot {
+    pub(crate) fn new(raw: Stream, priority: i32, flags: u32) -> Slot {
+        Slot {
+            raw,
+            priority,
+            flags,
+            state: Mutex::new(SlotState {
+                generation: 1,
+                ..SlotState::default()
+            }),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Counters of one pool or of a whole context.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Streams alive: held by owners plus retired.
+    pub live: u64,
+    /// Retired streams whose work has completed (ready for a new owner).
+    pub idle: u64,
+    /// Retired streams with work still pending.
+    pub retired_busy: u64,
+    /// Streams held by owners.
+    pub in_use: u64,
+    /// Streams created by the pool.
+    pub created: u64,
+    /// Streams destroyed by the pool (trimmed, or at teardown).
+    pub destroyed: u64,
+    /// Acquisitions served by a retired stream.
+    pub hits: u64,
+    /// Acquisitions that had to create a stream.
+    pub misses: u64,
+    /// Idle streams destroyed because more than [`MAX_IDLE`] were idle.
+    pub trimmed: u64,
+}
+
+impl std::ops::Add for PoolStats {
+    type Output = PoolStats;
+    fn add(self, o: PoolStats) -> PoolStats {
+        PoolStats {
+            live: self.live + o.live,
+            idle: self.idle + o.idle,
+            retired_busy: self.retired_busy + o.retired_busy,
+            in_use: self.in_use + o.in_use,
+            created: self.created + o.created,
+            destroyed: self.destroyed + o.destroyed,
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            trimmed: self.trimmed + o.trimmed,
+        }
+    }
+}
+
+type Shard = CachePadded<Mutex<SmallVec<[Arc<Slot>; 8]>>>;
+
+#[derive(Default)]
+struct Counters {
+    created: AtomicU64,
+    destroyed: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    trimmed: AtomicU64,
+}
+
+/// The pool of one (priority, flags) key of one context.
+pub(crate) struct Pool {
+    pub(crate) priority: i32,
+    pub(crate) flags: u32,
+    shards: Box<[Shard]>,
+    retired: CachePadded<AtomicUsize>,
+    counters: CachePadded<Counters>,
+}
+
+static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static HOME: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn home_index() -> usize {
+    HOME.with(|h| {
+        let mut v = h.get();
+        if v == usize::MAX {
+            v = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+            h.set(v);
+        }
+        v
+    })
+}
+
+fn shard_count() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
+    (cpus * 2).clamp(4, 64).next_power_of_two()
+}
+
+impl Pool {
+    pub(crate) fn new(priority: i32, flags: u32) -> Pool {
+        Pool {
+            priority,
+            flags,
+            shards: (0..shard_count())
+                .map(|_| CachePadded::new(Mutex::new(SmallVec::new())))
+                .collect(),
+            retired: CachePadded::new(AtomicUsize::new(0)),
+            counters: CachePadded::new(Counters::default()),
+        }
+    }
+
+    fn shard(&self, i: usize) -> MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>> {
+        self.shards[i & (self.shards.len() - 1)]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
+    /// generation; creates one when none qualifies. The caller has made the context current.
+    pub(crate) fn acquire(&self, driver: &dyn Driver) -> Result<(Arc<Slot>, u64)> {
+        if self.retired.load(Ordering::Acquire) > 0 {
+            // Queries on behalf of the pool must never invalidate another thread's capture.
+            let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
+            let home = home_index();
+            let mut found = None;
+            for i in 0..self.shards.len() {
+                found = self.take_from(driver, home.wrapping_add(i));
+                if found.is_some() || self.retired.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+            }
+            if self.retired.load(Ordering::Acquire) > MAX_IDLE {
+                self.trim_excess(driver);
+            }
+            if let Some(found) = found {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(found);
+            }
+        }
+        let raw = driver.stream_create(self.flags, self.priority)?;
+        self.counters.created.fetch_add(1, Ordering::Relaxed);
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
+        Ok((slot, 1))
+    }
+
+    /// Searches one shard: takes the first retired stream whose work has completed, in the
+    /// order they were retired (the oldest is the likeliest to be done).
+    fn take_from(&self, driver: &dyn Driver, index: usize) -> Option<(Arc<Slot>, u64)> {
+        let mut list = self.shard(index);
+        for i in 0..list.len() {
+            let slot = list[i].clone();
+            let mut st = slot.lock();
+            // A failed query (a stream left capturing by a dropped owner, a sticky error) counts
+            // as busy: the stream is never handed out on a guess.
+            if !driver.stream_query(slot.raw).unwrap_or(false) {
+                continue;
+            }
+            st.generation += 1;
+            let gen = st.generation;
+            drop(st);
+            list.remove(i);
+            self.retired.fetch_sub(1, Ordering::AcqRel);
+            return Some((slot, gen));
+        }
+        None
+    }
+
+    /// Destroys retired streams whose work has completed until at most [`MAX_IDLE`] remain.
+    fn trim_excess(&self, driver: &dyn Driver) {
+        for i in 0..self.shards.len() {
+            let mut list = self.shard(i);
+            let mut j = 0;
+            while j < list.len() && self.retired.load(Ordering::Acquire) > MAX_IDLE {
+                let slot = list[j].clone();
+                let mut st = slot.lock();
+                if !driver.stream_query(slot.raw).unwrap_or(false) {
+                    j += 1;
+                    continue;
+                }
+                st.generation += 1;
+                st.destroyed = true;
+                let destroyed = driver.stream_destroy(slot.raw);
+                drop(st);
+                list.remove(j);
+                self.retired.fetch_sub(1, Ordering::AcqRel);
+                if destroyed.is_ok() {
+                    self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
+                    self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if self.retired.load(Ordering::Acquire) <= MAX_IDLE {
+                return;
+            }
+        }
+    }
+
+    /// Takes back a stream from an owner that is gone, without waiting for its work.
+    pub(crate) fn release(&self, slot: Arc<Slot>) {
+        self.shard(home_index()).push(slot);
+        self.retired.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Destroys every retired stream whose work has completed; with `wait`, first waits for
+    /// the others. Returns how many were destroyed.
+    pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool) -> Result<usize> {
+        let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
+        let mut n = 0;
+        let mut first_err = None;
+        for i in 0..self.shards.len() {
+            let mut list = self.shard(i);
+            let mut j = 0;
+            while j < list.len() {
+                let slot = list[j].clone();
+                let mut st = slot.lock();
+                let idle = if wait {
+                    driver.stream_synchronize(slot.raw).is_ok()
+                } else {
+                    driver.stream_query(slot.raw).unwrap_or(false)
+                };
+                if !idle {
+                    j += 1;
+                    continue;
+                }
+                st.generation += 1;
+                st.destroyed = true;
+                match driver.stream_destroy(slot.raw) {
+                    Ok(()) => {
+                        n += 1;
+                        self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                drop(st);
+                list.remove(j);
+                self.retired.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
+    }
+
+    /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
+    /// from busy ones.
+    pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
+        let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed).ok();
+        let (mut idle, mut busy) = (0, 0);
+        for i in 0..self.shards.len() {
+            for slot in self.shard(i).iter() {
+                if driver.stream_query(slot.raw).unwrap_or(false) {
+                    idle += 1;
+                } else {
+                    busy += 1;
+                }
+            }
+        }
+        let c = &self.counters;
+        let created = c.created.load(Ordering::Relaxed);
+        let destroyed = c.destroyed.load(Ordering::Relaxed);
+        let live = created - destroyed;
+        PoolStats {
+            live,
+            idle,
+            retired_busy: busy,
+            in_use: live.saturating_sub(idle + busy),
+            created,
+            destroyed,
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            trimmed: c.trimmed.load(Ordering::Relaxed),
+        }
+    }
+}
