@@ -1,0 +1,115 @@
+//! Helpers shared by the test files: drivers, a raw context, and a gate that holds a stream busy.
+#![allow(dead_code)]
+
+use cuda_stream_pool::driver::{self, Choice, Driver, SimDriver, Stream};
+use cuda_stream_pool::Context;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A simulated driver with a manual clock.
+pub fn sim() -> Arc<dyn Driver> {
+    Arc::new(SimDriver::new())
+}
+
+/// The real driver; panics (failing the GPU test) when there is none.
+pub fn cuda() -> Arc<dyn Driver> {
+    driver::load(Choice::Cuda)
+        .unwrap_or_else(|e| panic!("GPU test without a usable CUDA driver: {e}"))
+        .0
+}
+
+/// A context of the crate on device 0.
+pub fn ctx(d: &Arc<dyn Driver>) -> Context {
+    Context::primary(d.clone(), 0).expect("primary context")
+}
+
+/// The primary context retained and made current on this thread, for driver-level scenarios.
+pub struct Env {
+    pub d: Arc<dyn Driver>,
+    pub dev: driver::Device,
+    pub ctx: driver::Context,
+}
+
+impl Env {
+    pub fn new(d: &Arc<dyn Driver>) -> Env {
+        d.init().unwrap();
+        let dev = d.device_get(0).unwrap();
+        let ctx = d.primary_ctx_retain(dev).unwrap();
+        d.ctx_set_current(ctx).unwrap();
+        Env {
+            d: d.clone(),
+            dev,
+            ctx,
+        }
+    }
+
+    pub fn stream(&self) -> Stream {
+        self.d
+            .stream_create(driver::stream_flags::NON_BLOCKING, 0)
+            .unwrap()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = self.d.primary_ctx_release(self.dev);
+    }
+}
+
+/// Holds a stream busy with a host function that waits until the gate is opened (or 30 s pass,
+/// so that a bug turns into a failure rather than a hang).
+pub struct Gate {
+    tx: Option<mpsc::Sender<()>>,
+}
+
+impl Gate {
+    pub fn on(d: &dyn Driver, s: Stream) -> Gate {
+        let (tx, rx) = mpsc::channel::<()>();
+        d.launch_host_func(
+            s,
+            Box::new(move || {
+                let _ = rx.recv_timeout(Duration::from_secs(30));
+            }),
+        )
+        .unwrap();
+        Gate { tx: Some(tx) }
+    }
+
+    pub fn open(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+/// Generates, for each scenario `fn name(d: &Arc<dyn Driver>)`, a test on the simulated driver
+/// (module `sim`) and a GPU test (module `gpu`).
+#[macro_export]
+macro_rules! on_both_drivers {
+    ($($name:ident),* $(,)?) => {
+        mod sim {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(&super::common::sim());
+                }
+            )*
+        }
+        mod gpu {
+            $(
+                #[test]
+                #[ignore = "needs an NVIDIA GPU"]
+                fn $name() {
+                    super::$name(&super::common::cuda());
+                }
+            )*
+        }
+    };
+}

@@ -1,0 +1,395 @@
+//! The differential suite: driver-level scenarios written once against the `Driver` trait, run
+//! on the simulated driver (in CI) and on the real one (GPU tests). Each asserts the observable
+//! outcome the crate depends on; where the real driver surprised us, the simulation was fixed and
+//! the scenario kept.
+
+mod common;
+
+use common::{Env, Gate};
+use cuda_stream_pool::driver::{
+    stream_flags, CaptureMode, CaptureStatus, DevicePtr, Driver, Stream,
+};
+use cuda_stream_pool::kernels::PTX;
+use cuda_stream_pool::ErrorCode;
+use std::ffi::CStr;
+use std::os::raw::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+fn code<T: std::fmt::Debug>(r: cuda_stream_pool::Result<T>) -> u32 {
+    r.expect_err("expected a driver error")
+        .code()
+        .expect("expected a driver error code")
+        .0
+}
+
+fn read_u32(d: &dyn Driver, p: DevicePtr, n: usize, s: Stream) -> Vec<u32> {
+    let mut v = vec![0u32; n];
+    // SAFETY: `v` lives until the synchronize below has completed the copy.
+    unsafe { d.memcpy_dtoh_async(v.as_mut_ptr() as *mut u8, p, n * 4, s) }.unwrap();
+    d.stream_synchronize(s).unwrap();
+    v
+}
+
+fn add_u32(d: &dyn Driver, f: cuda_stream_pool::driver::Function, p: DevicePtr, n: u32, v: u32, s: Stream) {
+    let (mut a, mut b, mut c) = (p.0, n, v);
+    let mut params = [
+        &mut a as *mut u64 as *mut c_void,
+        &mut b as *mut u32 as *mut c_void,
+        &mut c as *mut u32 as *mut c_void,
+    ];
+    // SAFETY: csp_add_u32(unsigned *x, unsigned n, unsigned v) with a live allocation of n words.
+    unsafe { d.launch_kernel(f, [n.div_ceil(256), 1, 1], [256, 1, 1], 0, s, &mut params) }.unwrap();
+}
+
+fn load_add_u32(d: &dyn Driver) -> cuda_stream_pool::driver::Function {
+    let m = d
+        .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
+        .unwrap();
+    d.module_get_function(m, c"csp_add_u32").unwrap()
+}
+
+/// cuStreamQuery: idle stream ready; a stream held by a host function not ready until released.
+fn query_idle_and_busy(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    assert!(d.stream_query(s).unwrap());
+    let mut g = Gate::on(&**d, s);
+    assert!(!d.stream_query(s).unwrap());
+    g.open();
+    d.stream_synchronize(s).unwrap();
+    assert!(d.stream_query(s).unwrap());
+    d.stream_destroy(s).unwrap();
+}
+
+/// An event recorded on a busy stream orders another stream's work after it.
+fn event_orders_across_streams(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let (a, b) = (e.stream(), e.stream());
+    let ev = d.event_create(0).unwrap();
+    let p = d.mem_alloc_async(64, a).unwrap();
+    d.memset_d32_async(p, 1, 16, a).unwrap();
+    let mut g = Gate::on(&**d, a);
+    d.memset_d32_async(p, 2, 16, a).unwrap();
+    d.event_record(ev, a).unwrap();
+    d.stream_wait_event(b, ev).unwrap();
+    d.memset_d32_async(p, 3, 16, b).unwrap();
+    assert!(!d.event_query(ev).unwrap());
+    assert!(!d.stream_query(b).unwrap(), "b must wait for a's event");
+    g.open();
+    d.stream_synchronize(b).unwrap();
+    assert!(d.event_query(ev).unwrap());
+    assert_eq!(read_u32(&**d, p, 16, b), vec![3; 16]);
+    d.mem_free_async(p, b).unwrap();
+    d.stream_synchronize(b).unwrap();
+    d.event_destroy(ev).unwrap();
+    d.stream_destroy(a).unwrap();
+    d.stream_destroy(b).unwrap();
+}
+
+/// The H200's priority range is 0 (least) ..= -5 (greatest).
+fn priority_range(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    assert_eq!(d.ctx_stream_priority_range().unwrap(), (0, -5));
+}
+
+/// Out-of-range priorities are clamped silently by the driver.
+fn priority_clamped(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    let hi = d.stream_create(stream_flags::NON_BLOCKING, -100).unwrap();
+    let lo = d.stream_create(stream_flags::NON_BLOCKING, 7).unwrap();
+    let mid = d.stream_create(stream_flags::NON_BLOCKING, -3).unwrap();
+    assert_eq!(d.stream_priority(hi).unwrap(), -5);
+    assert_eq!(d.stream_priority(lo).unwrap(), 0);
+    assert_eq!(d.stream_priority(mid).unwrap(), -3);
+    for s in [hi, lo, mid] {
+        d.stream_destroy(s).unwrap();
+    }
+}
+
+/// Stream flags round-trip.
+fn stream_flags_round_trip(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    let nb = d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
+    let df = d.stream_create(stream_flags::DEFAULT, 0).unwrap();
+    assert_eq!(d.stream_flags(nb).unwrap(), stream_flags::NON_BLOCKING);
+    assert_eq!(d.stream_flags(df).unwrap(), stream_flags::DEFAULT);
+    d.stream_destroy(nb).unwrap();
+    d.stream_destroy(df).unwrap();
+}
+
+/// A nested begin on a capturing stream fails with CUDA_ERROR_ILLEGAL_STATE (401); the outer
+/// capture stays active, ends cleanly, and its graph runs the captured work.
+fn nested_begin_capture(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    let f = load_add_u32(&**d);
+    let p = d.mem_alloc_async(16 * 4, s).unwrap();
+    d.memset_d32_async(p, 10, 16, s).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    assert_eq!(code(d.stream_begin_capture(s, CaptureMode::Global)), 401);
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Active);
+    add_u32(&**d, f, p, 16, 1, s);
+    let g = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+    assert_eq!(d.graph_node_count(g).unwrap(), 1);
+    let x = d.graph_instantiate(g).unwrap();
+    d.graph_launch(x, s).unwrap();
+    assert_eq!(read_u32(&**d, p, 16, s), vec![11; 16]);
+    d.graph_launch(x, s).unwrap();
+    assert_eq!(read_u32(&**d, p, 16, s), vec![12; 16]);
+    d.graph_exec_destroy(x).unwrap();
+    d.graph_destroy(g).unwrap();
+    d.mem_free_async(p, s).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// Ending a capture on a stream that is not capturing is CUDA_ERROR_ILLEGAL_STATE.
+fn end_capture_not_capturing(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    assert_eq!(code(d.stream_end_capture(s)), 401);
+    d.stream_destroy(s).unwrap();
+}
+
+/// Querying a capturing stream is forbidden: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900); the
+/// capture is invalidated, ending it reports CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901), and the
+/// stream is left not capturing.
+fn query_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    assert_eq!(code(d.stream_query(s)), 900);
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Invalidated);
+    assert_eq!(code(d.stream_end_capture(s)), 901);
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+    assert!(d.stream_query(s).unwrap());
+    d.stream_destroy(s).unwrap();
+}
+
+/// Synchronizing a capturing stream is forbidden in the same way.
+fn synchronize_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    assert_eq!(code(d.stream_synchronize(s)), 900);
+    assert_eq!(code(d.stream_end_capture(s)), 901);
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+    d.stream_destroy(s).unwrap();
+}
+
+/// While another thread captures in global mode, a query of an unrelated stream from a thread
+/// in relaxed mode is allowed and leaves the capture valid.
+fn relaxed_query_during_global_capture(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let (a, b) = (e.stream(), e.stream());
+    let ctx = e.ctx;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+    let d2 = d.clone();
+    let t = std::thread::spawn(move || {
+        d2.ctx_set_current(ctx).unwrap();
+        d2.stream_begin_capture(a, CaptureMode::Global).unwrap();
+        tx.send(()).unwrap();
+        rx2.recv().unwrap();
+        d2.stream_end_capture(a)
+    });
+    rx.recv().unwrap();
+    let old = d.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+    assert!(d.stream_query(b).unwrap());
+    d.thread_exchange_capture_mode(old).unwrap();
+    assert_eq!(d.stream_is_capturing(a).unwrap(), CaptureStatus::Active);
+    tx2.send(()).unwrap();
+    let g = t.join().unwrap().expect("capture stays valid");
+    d.graph_destroy(g).unwrap();
+    d.stream_destroy(a).unwrap();
+    d.stream_destroy(b).unwrap();
+}
+
+/// cuThreadExchangeStreamCaptureMode returns the previous mode; threads start in global mode.
+fn capture_mode_exchange(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    let d2 = d.clone();
+    std::thread::spawn(move || {
+        assert_eq!(
+            d2.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap(),
+            CaptureMode::Global
+        );
+        assert_eq!(
+            d2.thread_exchange_capture_mode(CaptureMode::ThreadLocal).unwrap(),
+            CaptureMode::Relaxed
+        );
+        assert_eq!(
+            d2.thread_exchange_capture_mode(CaptureMode::Global).unwrap(),
+            CaptureMode::ThreadLocal
+        );
+    })
+    .join()
+    .unwrap();
+}
+
+/// Stream-ordered allocation, use and free on one stream; a zero-byte allocation is an error.
+fn async_alloc_free(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    let p = d.mem_alloc_async(1024 * 4, s).unwrap();
+    assert!(!p.is_null());
+    d.memset_d32_async(p, 0xdead_beef, 1024, s).unwrap();
+    let v = read_u32(&**d, p, 1024, s);
+    assert!(v.iter().all(|&x| x == 0xdead_beef));
+    d.mem_free_async(p, s).unwrap();
+    d.stream_synchronize(s).unwrap();
+    assert_eq!(code(d.mem_alloc_async(0, s)), 1);
+    d.stream_destroy(s).unwrap();
+}
+
+/// An event never recorded counts as complete; waiting on it waits for nothing.
+fn unrecorded_event(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    let ev = d.event_create(0).unwrap();
+    assert!(d.event_query(ev).unwrap());
+    d.stream_wait_event(s, ev).unwrap();
+    assert!(d.stream_query(s).unwrap());
+    d.event_destroy(ev).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// Creating a stream on a thread with no current context is CUDA_ERROR_INVALID_CONTEXT.
+fn stream_create_without_context(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    let d2 = d.clone();
+    let c = std::thread::spawn(move || code(d2.stream_create(0, 0)))
+        .join()
+        .unwrap();
+    assert_eq!(c, 201);
+}
+
+/// A host function runs after the stream's earlier work, and later work waits for it.
+fn host_func_order(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    let seen = Arc::new(AtomicU32::new(0));
+    let p = d.mem_alloc_async(4, s).unwrap();
+    d.memset_d32_async(p, 5, 1, s).unwrap();
+    let mut g = Gate::on(&**d, s);
+    let s2 = seen.clone();
+    d.launch_host_func(s, Box::new(move || s2.store(1, Ordering::SeqCst)))
+        .unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 0);
+    g.open();
+    d.stream_synchronize(s).unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    d.mem_free_async(p, s).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// Ending a global-mode capture from another thread is CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+/// (908) and leaves the capture active for its own thread to end.
+fn end_capture_wrong_thread(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    let d2 = d.clone();
+    let ctx = e.ctx;
+    let c = std::thread::spawn(move || {
+        d2.ctx_set_current(ctx).unwrap();
+        code(d2.stream_end_capture(s))
+    })
+    .join()
+    .unwrap();
+    assert_eq!(c, 908);
+    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Active);
+    let g = d.stream_end_capture(s).unwrap();
+    d.graph_destroy(g).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// The embedded PTX loads; an unknown kernel name is CUDA_ERROR_NOT_FOUND; text that is not PTX
+/// is rejected.
+fn module_loading(d: &Arc<dyn Driver>) {
+    let _e = Env::new(d);
+    let m = d
+        .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
+        .unwrap();
+    d.module_get_function(m, c"csp_add_one_f32").unwrap();
+    assert_eq!(code(d.module_get_function(m, c"no_such_kernel")), 500);
+    d.module_unload(m).unwrap();
+    assert!(d.module_load_data(c"this is not ptx").is_err());
+}
+
+/// Capture ids are unique and reported only while capturing.
+fn capture_info(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    assert_eq!(d.stream_capture_info(s).unwrap().0, CaptureStatus::None);
+    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    let (st, id1) = d.stream_capture_info(s).unwrap();
+    assert_eq!(st, CaptureStatus::Active);
+    d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    let (_, id2) = d.stream_capture_info(s).unwrap();
+    assert_ne!(id1, id2);
+    d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// A capture of nothing gives a graph with no nodes that instantiates and launches.
+fn empty_capture(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    let g = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.graph_node_count(g).unwrap(), 0);
+    let x = d.graph_instantiate(g).unwrap();
+    d.graph_launch(x, s).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.graph_exec_destroy(x).unwrap();
+    d.graph_destroy(g).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
+/// The default memory pool's release threshold can be set and read back.
+fn mem_pool_release_threshold(d: &Arc<dyn Driver>) {
+    use cuda_stream_pool::driver::MemPoolAttr;
+    let e = Env::new(d);
+    let pool = d.device_default_mem_pool(e.dev).unwrap();
+    let old = d
+        .mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
+        .unwrap();
+    d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, 1 << 30)
+        .unwrap();
+    assert_eq!(
+        d.mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
+            .unwrap(),
+        1 << 30
+    );
+    d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, old)
+        .unwrap();
+}
+
+on_both_drivers! {
+    query_idle_and_busy,
+    event_orders_across_streams,
+    priority_range,
+    priority_clamped,
+    stream_flags_round_trip,
+    nested_begin_capture,
+    end_capture_not_capturing,
+    query_capturing_stream_invalidates,
+    synchronize_capturing_stream_invalidates,
+    relaxed_query_during_global_capture,
+    capture_mode_exchange,
+    async_alloc_free,
+    unrecorded_event,
+    stream_create_without_context,
+    host_func_order,
+    end_capture_wrong_thread,
+    module_loading,
+    capture_info,
+    empty_capture,
+    mem_pool_release_threshold,
+}
