@@ -1,6 +1,6 @@
 // The kernels of the demo and the tests. src/kernels.ptx is this file compiled by
-//   nvcc -ptx -arch=compute_52 -o src/kernels.ptx src/kernels.cu
-// (or written to match it by hand); the simulated driver implements the same kernels by name.
+//   nvcc -ptx -arch=compute_75 -o src/kernels.ptx src/kernels.cu
+// (CUDA 13 supports compute_75 and newer); the simulated driver implements the same kernels by name.
 extern "C" __global__ void csp_add_one_f32(float *x, unsigned n) {
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += 1.0f;

@@ -42,6 +42,9 @@ pub(crate) struct SlotState {
     pub(crate) destroyed: bool,
     /// Set while a capture guard of this crate captures the stream.
     pub(crate) capturing: bool,
+    /// Whether an owner (or an `OwnedStream`) holds the stream; cleared on release so that stale
+    /// handles are noticed before the next hand-over.
+    pub(crate) held: bool,
 }
 
 impl Slot {
@@ -52,6 +55,7 @@ impl Slot {
             flags,
             state: Mutex::new(SlotState {
                 generation: 1,
+                held: true,
                 ..SlotState::default()
             }),
         }
@@ -204,6 +208,7 @@ impl Pool {
                 continue;
             }
             st.generation += 1;
+            st.held = true;
             let gen = st.generation;
             drop(st);
             list.remove(i);
@@ -244,6 +249,7 @@ impl Pool {
 
     /// Takes back a stream from an owner that is gone, without waiting for its work.
     pub(crate) fn release(&self, slot: Arc<Slot>) {
+        slot.lock().held = false;
         self.shard(home_index()).push(slot);
         self.retired.fetch_add(1, Ordering::AcqRel);
     }

@@ -61,7 +61,7 @@ impl StreamRef {
     /// Whether the stream still belongs to the owner this handle came from.
     pub fn is_current(&self) -> bool {
         let st = self.slot.lock();
-        st.generation == self.gen && !st.destroyed
+        st.generation == self.gen && st.held && !st.destroyed
     }
 
     /// Whether two handles name the same stream (by object, never by handle value).

@@ -31,7 +31,14 @@ fn read_u32(d: &dyn Driver, p: DevicePtr, n: usize, s: Stream) -> Vec<u32> {
     v
 }
 
-fn add_u32(d: &dyn Driver, f: cuda_stream_pool::driver::Function, p: DevicePtr, n: u32, v: u32, s: Stream) {
+fn add_u32(
+    d: &dyn Driver,
+    f: cuda_stream_pool::driver::Function,
+    p: DevicePtr,
+    n: u32,
+    v: u32,
+    s: Stream,
+) {
     let (mut a, mut b, mut c) = (p.0, n, v);
     let mut params = [
         &mut a as *mut u64 as *mut c_void,
@@ -85,6 +92,35 @@ fn event_orders_across_streams(d: &Arc<dyn Driver>) {
     d.event_destroy(ev).unwrap();
     d.stream_destroy(a).unwrap();
     d.stream_destroy(b).unwrap();
+}
+
+/// A wait targets the record that was latest when the wait was enqueued: recording the event
+/// again elsewhere (the crate reuses ordering events) does not release it.
+fn event_rerecord_keeps_earlier_wait(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let (a, b, c) = (e.stream(), e.stream(), e.stream());
+    let ev = d
+        .event_create(cuda_stream_pool::driver::event_flags::DISABLE_TIMING)
+        .unwrap();
+    let mut g = Gate::on(&**d, a);
+    d.event_record(ev, a).unwrap();
+    d.stream_wait_event(b, ev).unwrap();
+    d.event_record(ev, c).unwrap();
+    d.stream_synchronize(c).unwrap();
+    assert!(
+        d.event_query(ev).unwrap(),
+        "the latest record (on c) has completed"
+    );
+    assert!(
+        !d.stream_query(b).unwrap(),
+        "b still waits for the record on a"
+    );
+    g.open();
+    d.stream_synchronize(b).unwrap();
+    d.event_destroy(ev).unwrap();
+    for s in [a, b, c] {
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// The H200's priority range is 0 (least) ..= -5 (greatest).
@@ -162,7 +198,10 @@ fn query_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
     let s = e.stream();
     d.stream_begin_capture(s, CaptureMode::Global).unwrap();
     assert_eq!(code(d.stream_query(s)), 900);
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Invalidated);
+    assert_eq!(
+        d.stream_is_capturing(s).unwrap(),
+        CaptureStatus::Invalidated
+    );
     assert_eq!(code(d.stream_end_capture(s)), 901);
     assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
     assert!(d.stream_query(s).unwrap());
@@ -197,7 +236,9 @@ fn relaxed_query_during_global_capture(d: &Arc<dyn Driver>) {
         d2.stream_end_capture(a)
     });
     rx.recv().unwrap();
-    let old = d.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+    let old = d
+        .thread_exchange_capture_mode(CaptureMode::Relaxed)
+        .unwrap();
     assert!(d.stream_query(b).unwrap());
     d.thread_exchange_capture_mode(old).unwrap();
     assert_eq!(d.stream_is_capturing(a).unwrap(), CaptureStatus::Active);
@@ -214,15 +255,18 @@ fn capture_mode_exchange(d: &Arc<dyn Driver>) {
     let d2 = d.clone();
     std::thread::spawn(move || {
         assert_eq!(
-            d2.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap(),
+            d2.thread_exchange_capture_mode(CaptureMode::Relaxed)
+                .unwrap(),
             CaptureMode::Global
         );
         assert_eq!(
-            d2.thread_exchange_capture_mode(CaptureMode::ThreadLocal).unwrap(),
+            d2.thread_exchange_capture_mode(CaptureMode::ThreadLocal)
+                .unwrap(),
             CaptureMode::Relaxed
         );
         assert_eq!(
-            d2.thread_exchange_capture_mode(CaptureMode::Global).unwrap(),
+            d2.thread_exchange_capture_mode(CaptureMode::Global)
+                .unwrap(),
             CaptureMode::ThreadLocal
         );
     })
@@ -374,6 +418,7 @@ fn mem_pool_release_threshold(d: &Arc<dyn Driver>) {
 on_both_drivers! {
     query_idle_and_busy,
     event_orders_across_streams,
+    event_rerecord_keeps_earlier_wait,
     priority_range,
     priority_clamped,
     stream_flags_round_trip,

@@ -75,7 +75,6 @@ impl cudaError_enum {
     pub const CUDA_ERROR_NOT_INITIALIZED: cudaError_enum = cudaError_enum(3);
     pub const CUDA_ERROR_DEINITIALIZED: cudaError_enum = cudaError_enum(4);
     pub const CUDA_ERROR_STUB_LIBRARY: cudaError_enum = cudaError_enum(34);
-    pub const CUDA_ERROR_INSUFFICIENT_DRIVER: cudaError_enum = cudaError_enum(35);
     pub const CUDA_ERROR_DEVICE_UNAVAILABLE: cudaError_enum = cudaError_enum(46);
     pub const CUDA_ERROR_NO_DEVICE: cudaError_enum = cudaError_enum(100);
     pub const CUDA_ERROR_INVALID_DEVICE: cudaError_enum = cudaError_enum(101);

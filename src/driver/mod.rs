@@ -10,7 +10,7 @@ mod cuda;
 pub mod sim;
 
 pub use cuda::CudaDriver;
-pub use sim::SimDriver;
+pub use sim::{SimConfig, SimDriver};
 
 use crate::error::Result;
 use std::ffi::CStr;

@@ -227,11 +227,20 @@ struct SimStream {
     used_pool: bool,
 }
 
+/// An event: each record has a sequence number; a wait targets the record that was latest when
+/// the wait was enqueued, and is not affected by later records (as in CUDA), so completions are
+/// tracked per record, not as a maximum.
 #[derive(Default)]
 struct SimEvent {
     recorded: u64,
-    done: u64,
+    pending: std::collections::BTreeSet<u64>,
     done_at: u64,
+}
+
+impl SimEvent {
+    fn is_done(&self, seq: u64) -> bool {
+        !self.pending.contains(&seq)
+    }
 }
 
 struct SimAlloc {
@@ -664,7 +673,7 @@ impl SimDriver {
                     if head.start.is_none() {
                         let eligible = match &head.kind {
                             OpKind::Wait { event, seq } => match events.get(event) {
-                                Some(e) if e.done >= *seq => Some(e.done_at),
+                                Some(e) if e.is_done(*seq) => Some(e.done_at),
                                 Some(_) => None,
                                 None => Some(now),
                             },
@@ -706,10 +715,8 @@ impl SimDriver {
                         }
                         OpKind::Record { event, seq } => {
                             if let Some(ev) = st.events.get_mut(&event) {
-                                if seq > ev.done {
-                                    ev.done = seq;
-                                    ev.done_at = end;
-                                }
+                                ev.pending.remove(&seq);
+                                ev.done_at = ev.done_at.max(end);
                             }
                         }
                         OpKind::Wait { .. } | OpKind::Host { .. } => {}
@@ -1315,6 +1322,7 @@ impl Driver for SimDriver {
         let ev = st.events.get_mut(&event.0).unwrap();
         ev.recorded += 1;
         let seq = ev.recorded;
+        ev.pending.insert(seq);
         self.enqueue(
             &mut st,
             stream,
@@ -1334,7 +1342,7 @@ impl Driver for SimDriver {
         self.unsafe_call(&mut st, "cuEventQuery")?;
         self.progress(&mut st);
         let e = &st.events[&event.0];
-        Ok(e.done >= e.recorded)
+        Ok(e.is_done(e.recorded))
     }
 
     fn event_synchronize(&self, event: Event) -> Result<()> {
@@ -1343,7 +1351,7 @@ impl Driver for SimDriver {
         self.unsafe_call(&mut st, "cuEventSynchronize")?;
         let target = st.events[&event.0].recorded;
         self.wait_until(st, "cuEventSynchronize", |st| {
-            st.events.get(&event.0).is_none_or(|e| e.done >= target)
+            st.events.get(&event.0).is_none_or(|e| e.is_done(target))
         })
     }
 

@@ -89,6 +89,16 @@ impl Drop for Gate {
     }
 }
 
+/// GPU tests share one process-wide driver: a capture in global mode on one test's thread makes
+/// "unsafe" calls (synchronize, query) on every other thread in global mode fail and invalidates
+/// the capture. Each GPU test holds this lock so that tests of one binary never overlap.
+pub static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Takes the GPU lock (a failed test poisons it; that does not matter here).
+pub fn gpu_lock() -> std::sync::MutexGuard<'static, ()> {
+    GPU.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Generates, for each scenario `fn name(d: &Arc<dyn Driver>)`, a test on the simulated driver
 /// (module `sim`) and a GPU test (module `gpu`).
 #[macro_export]
@@ -107,6 +117,7 @@ macro_rules! on_both_drivers {
                 #[test]
                 #[ignore = "needs an NVIDIA GPU"]
                 fn $name() {
+                    let _serial = super::common::gpu_lock();
                     super::$name(&super::common::cuda());
                 }
             )*

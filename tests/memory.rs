@@ -1,0 +1,239 @@
+//! Generation-tracked device memory: scenarios on both drivers, call-log assertions on the
+//! simulation.
+
+mod common;
+
+use common::Gate;
+use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
+use cuda_stream_pool::{Context, DeviceBuffer, Error, ErrorCode};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The seed's test: memory last used on a recycled stream is usable, and freed, without waiting
+/// for the stream's new owner, whose stream is held busy by a host function.
+fn recycled_memory_does_not_wait_for_new_owner(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let a = ctx.owner();
+    let sa = a.stream().unwrap();
+    let raw = sa.raw();
+    let mut used = DeviceBuffer::<u32>::zeroed(&sa, 256).unwrap();
+    used.fill(&sa, 5).unwrap();
+    let dropped = DeviceBuffer::<u32>::zeroed(&sa, 256).unwrap();
+    sa.synchronize().unwrap();
+    drop(a);
+    let b = ctx.owner();
+    let sb = b.stream().unwrap();
+    assert_eq!(sb.raw(), raw, "the idle stream is recycled");
+    let mut gate = Gate::on(&**d, sb.raw());
+    let start = Instant::now();
+    // Use on a third owner's stream: nothing waits on b's (busy) stream.
+    let c = ctx.owner();
+    let sc = c.stream().unwrap();
+    assert_eq!(used.to_vec(&sc).unwrap(), vec![5; 256]);
+    // Free: on the disposal stream, which does not wait for b either.
+    drop(dropped);
+    d.stream_synchronize(ctx.disposal_stream()).unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "waited for the new owner's work"
+    );
+    assert!(!sb.query().unwrap(), "b's stream is still held busy");
+    gate.open();
+    sb.synchronize().unwrap();
+}
+
+/// Memory used by two live owners in turn: the second stream is ordered after the first use on
+/// the GPU (no CPU wait), so it sees the first owner's writes.
+fn same_generation_use_is_ordered(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    let mut buf = DeviceBuffer::<u32>::zeroed(&sa, 1024).unwrap();
+    let mut gate = Gate::on(&**d, sa.raw());
+    buf.fill(&sa, 1).unwrap();
+    buf.use_on(&sb).unwrap();
+    assert!(!sb.query().unwrap(), "b must wait for a's pending write");
+    buf.fill(&sb, 2).unwrap();
+    gate.open();
+    assert_eq!(buf.to_vec(&sb).unwrap(), vec![2; 1024]);
+    let (raw, _, current) = buf.last_use();
+    assert_eq!((raw, current), (sb.raw(), true));
+}
+
+/// Out of memory, mismatched lengths and empty allocations are errors, not panics.
+fn memory_errors(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let e = DeviceBuffer::<u8>::alloc(&s, 1 << 50).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ERROR_OUT_OF_MEMORY), "{e}");
+    assert!(matches!(
+        DeviceBuffer::<u8>::alloc(&s, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut b = DeviceBuffer::<f32>::zeroed(&s, 8).unwrap();
+    assert!(matches!(
+        b.copy_from_host(&s, &[1.0; 7]),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut out = [0.0f32; 9];
+    assert!(matches!(
+        b.copy_to_host(&s, &mut out),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut wide = DeviceBuffer::<u64>::zeroed(&s, 2).unwrap();
+    assert!(matches!(wide.fill(&s, 1), Err(Error::InvalidArgument(_))));
+    b.copy_from_host(&s, &[1.5; 8]).unwrap();
+    assert_eq!(b.to_vec(&s).unwrap(), vec![1.5; 8]);
+}
+
+on_both_drivers! {
+    recycled_memory_does_not_wait_for_new_owner,
+    same_generation_use_is_ordered,
+    memory_errors,
+}
+
+fn sim_ctx() -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    (sim, Context::primary(d, 0).unwrap())
+}
+
+/// Call log: recycled memory is used without any wait on the new owner's stream and freed on
+/// the disposal stream.
+#[test]
+fn recycled_memory_call_log() {
+    let (sim, ctx) = sim_ctx();
+    let a = ctx.owner();
+    let sa = a.stream().unwrap();
+    let buf = DeviceBuffer::<u32>::zeroed(&sa, 16).unwrap();
+    sa.synchronize().unwrap();
+    drop(a);
+    let b = ctx.owner();
+    let sb = b.stream().unwrap();
+    assert!(sb.same_stream(&sa));
+    let c = ctx.owner();
+    let sc = c.stream().unwrap();
+    sim.clear_calls();
+    buf.use_on(&sc).unwrap();
+    let p = buf.as_raw();
+    drop(buf);
+    let calls = sim.calls();
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.name != "cuStreamWaitEvent" && c.name != "cuEventRecord"),
+        "{calls:?}"
+    );
+    let frees: Vec<_> = calls
+        .iter()
+        .filter(|c| c.name == "cuMemFreeAsync")
+        .collect();
+    assert_eq!(frees.len(), 1);
+    assert_eq!(frees[0].ptr, Some(p));
+    assert_eq!(
+        frees[0].stream,
+        Some(sc.raw()),
+        "last used on sc, whose generation is current"
+    );
+    // Memory whose last stream was recycled goes to the disposal stream.
+    let d2 = ctx.owner();
+    let s2 = d2.stream().unwrap();
+    let buf2 = DeviceBuffer::<u32>::zeroed(&s2, 16).unwrap();
+    s2.synchronize().unwrap();
+    drop(d2);
+    let e = ctx.owner();
+    assert!(e.stream().unwrap().same_stream(&s2));
+    sim.clear_calls();
+    drop(buf2);
+    let calls = sim.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].name, "cuMemFreeAsync");
+    assert_eq!(calls[0].stream, Some(ctx.disposal_stream()));
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+/// Call log: same-generation cross-stream use inserts exactly one event record + wait, and a
+/// repeated use on the same stream none.
+#[test]
+fn same_generation_inserts_exactly_one_wait() {
+    let (sim, ctx) = sim_ctx();
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    let buf = DeviceBuffer::<u32>::zeroed(&sa, 16).unwrap();
+    sim.clear_calls();
+    buf.use_on(&sb).unwrap();
+    buf.use_on(&sb).unwrap();
+    let calls = sim.calls();
+    let rec: Vec<_> = calls.iter().filter(|c| c.name == "cuEventRecord").collect();
+    let wait: Vec<_> = calls
+        .iter()
+        .filter(|c| c.name == "cuStreamWaitEvent")
+        .collect();
+    assert_eq!((rec.len(), wait.len()), (1, 1), "{calls:?}");
+    assert_eq!(rec[0].stream, Some(sa.raw()));
+    assert_eq!(wait[0].stream, Some(sb.raw()));
+    assert_eq!(rec[0].event, wait[0].event);
+}
+
+/// Using a buffer with a stream of another context is an error.
+#[test]
+fn buffer_of_another_context() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let d: Arc<dyn Driver> = sim.clone();
+    let c0 = Context::primary(d.clone(), 0).unwrap();
+    let c1 = Context::primary(d, 1).unwrap();
+    let (o0, o1) = (c0.owner(), c1.owner());
+    let b = DeviceBuffer::<u32>::zeroed(&o0.stream().unwrap(), 4).unwrap();
+    assert!(matches!(
+        b.use_on(&o1.stream().unwrap()),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+/// Many buffers crossing owners and priorities on 16 threads: nothing is used after free,
+/// freed twice or leaked (the simulation's misuse detector is the oracle).
+#[test]
+fn buffers_cross_owners_without_misuse() {
+    let (sim, ctx) = sim_ctx();
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let ctx = ctx.clone();
+            let sim = sim.clone();
+            std::thread::spawn(move || {
+                let mut carried: Option<DeviceBuffer<u32>> = None;
+                for i in 0..300u32 {
+                    let o = ctx.owner();
+                    if i % 3 == 0 {
+                        o.set_priority(cuda_stream_pool::Priority::High).unwrap();
+                    }
+                    let s = o.stream().unwrap();
+                    sim.enqueue_work(s.raw(), 1_000 + (t * 37 + i as u64) % 5_000)
+                        .unwrap();
+                    let mut b = DeviceBuffer::<u32>::zeroed(&s, 32).unwrap();
+                    b.fill(&s, i).unwrap();
+                    if let Some(mut c) = carried.take() {
+                        c.fill(&s, i).unwrap();
+                        if i % 7 == 0 {
+                            assert_eq!(c.to_vec(&s).unwrap()[0], i);
+                        }
+                    }
+                    carried = Some(b);
+                    if i % 5 == 0 {
+                        sim.advance(2_000);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    drop(ctx);
+    let c = sim.counters();
+    assert_eq!((c.live_allocs, c.live_streams), (0, 0), "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
