@@ -39,6 +39,27 @@ fn benches(c: &mut Criterion) {
             }
         })
     });
+    g.bench_function("raw_with_ctx_get_current", |b| {
+        b.iter(|| {
+            black_box(d.ctx_get_current().unwrap());
+            let p = d.mem_alloc_async(4096, raw).unwrap();
+            d.mem_free_async(black_box(p), raw).unwrap();
+            n = n.wrapping_add(1);
+            if n % 1024 == 0 {
+                d.stream_synchronize(raw).unwrap();
+            }
+        })
+    });
+    g.bench_function("raw_again", |b| {
+        b.iter(|| {
+            let p = d.mem_alloc_async(4096, raw).unwrap();
+            d.mem_free_async(black_box(p), raw).unwrap();
+            n = n.wrapping_add(1);
+            if n % 1024 == 0 {
+                d.stream_synchronize(raw).unwrap();
+            }
+        })
+    });
     g.finish();
 }
 

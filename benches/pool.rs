@@ -42,10 +42,7 @@ impl GlobalLockPool {
                 return i;
             }
         }
-        let s = self
-            .d
-            .stream_create(stream_flags::NON_BLOCKING, 0)
-            .unwrap();
+        let s = self.d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
         list.push((s, true));
         list.len() - 1
     }
@@ -112,10 +109,29 @@ fn benches(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("threads");
     for n in [1usize, 4, 16] {
-        g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
+        // The driver's floor: each thread queries its own idle stream in relaxed capture mode,
+        // which is the one driver call the pool makes per hand-over.
+        let own: Vec<Stream> = (0..n)
+            .map(|_| d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap())
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        g.bench_with_input(BenchmarkId::new("query_only", n), &n, |b, &n| {
             b.iter_custom(|iters| {
-                on_threads(n, iters, || pool_op(&ctx))
+                next.store(0, std::sync::atomic::Ordering::Relaxed);
+                on_threads(n, 1, || {
+                    let s = own[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n];
+                    let _relaxed = CaptureModeGuard::new(&*d, CaptureMode::Relaxed).unwrap();
+                    for _ in 0..iters {
+                        black_box(d.stream_query(s).unwrap());
+                    }
+                })
             })
+        });
+        for s in own {
+            d.stream_destroy(s).unwrap();
+        }
+        g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
+            b.iter_custom(|iters| on_threads(n, iters, || pool_op(&ctx)))
         });
         g.bench_with_input(BenchmarkId::new("global_lock", n), &n, |b, &n| {
             b.iter_custom(|iters| {

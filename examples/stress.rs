@@ -20,7 +20,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let per_thread: u32 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(300);
     let (d, _) = driver::load(choice)?;
-    println!("stress on the {} driver: 16 threads x {per_thread} owners", d.kind());
+    println!(
+        "stress on the {} driver: 16 threads x {per_thread} owners",
+        d.kind()
+    );
     let ctx = Context::primary(d.clone(), 0)?;
     let kernels = Arc::new(Kernels::load(&ctx)?);
     let t0 = std::time::Instant::now();
@@ -40,15 +43,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     k.add_one(&s, &x)?;
                     if let Some(prev) = carried.take() {
                         // Used on another owner's stream, maybe at another priority.
-                        owner.with_priority(Priority::Value(-2), || -> cuda_stream_pool::Result<()> {
-                            let s2 = owner.stream()?;
-                            k.add_one(&s2, &prev)?;
-                            let sum = DeviceBuffer::<f32>::zeroed(&s2, 1)?;
-                            k.sum(&s2, &prev, &sum)?;
-                            let v = sum.to_vec(&s2)?[0];
-                            assert_eq!(v, 2048.0, "thread {t} owner {i}");
-                            Ok(())
-                        })??;
+                        owner.with_priority(
+                            Priority::Value(-2),
+                            || -> cuda_stream_pool::Result<()> {
+                                let s2 = owner.stream()?;
+                                k.add_one(&s2, &prev)?;
+                                let sum = DeviceBuffer::<f32>::zeroed(&s2, 1)?;
+                                k.sum(&s2, &prev, &sum)?;
+                                let v = sum.to_vec(&s2)?[0];
+                                assert_eq!(v, 2048.0, "thread {t} owner {i}");
+                                Ok(())
+                            },
+                        )??;
                         checked += 1;
                     }
                     if i % 2 == 0 {

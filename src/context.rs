@@ -6,7 +6,7 @@ use crate::owner::Owner;
 use crate::pool::{Pool, PoolStats, Slot};
 use crate::stream::StreamRef;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// A stream priority, per owner. Lower numbers are higher priorities (CUDA's convention); the
 /// valid numbers are the context's [`PriorityRange`].
@@ -63,7 +63,11 @@ pub(crate) struct CtxInner {
     pub(crate) device: Device,
     primary: bool,
     pub(crate) range: PriorityRange,
-    pools: RwLock<Vec<Arc<Pool>>>,
+    /// One slot per (priority, flags) key with flags 0 or 1, indexed without a lock: new owners
+    /// look their pool up on every first use.
+    pools: Box<[OnceLock<Arc<Pool>>]>,
+    /// Pools of other flags (rare).
+    other_pools: RwLock<Vec<Arc<Pool>>>,
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
     events: Mutex<Vec<Event>>,
@@ -152,7 +156,10 @@ impl Context {
                 device,
                 primary,
                 range: PriorityRange { least, greatest },
-                pools: RwLock::new(Vec::new()),
+                pools: (0..2 * (least - greatest + 1).max(1))
+                    .map(|_| OnceLock::new())
+                    .collect(),
+                other_pools: RwLock::new(Vec::new()),
                 disposal: Arc::new(Slot::new(disposal, 0, stream_flags::NON_BLOCKING)),
                 mem_pool,
                 events: Mutex::new(Vec::new()),
@@ -215,11 +222,17 @@ impl Context {
 
     /// Counters summed over every pool of this context.
     pub fn stats(&self) -> PoolStats {
-        let pools = self.inner.pools.read().unwrap_or_else(|p| p.into_inner());
-        pools
+        self.inner
+            .all_pools()
             .iter()
             .map(|p| p.stats(&*self.inner.driver))
             .fold(PoolStats::default(), |a, b| a + b)
+    }
+
+    /// Streams of this context alive now: the pools' (held and retired) plus the disposal
+    /// stream. Reads counters only (no driver call), so it is cheap enough to sample often.
+    pub fn live_streams(&self) -> u64 {
+        1 + self.inner.all_pools().iter().map(|p| p.live()).sum::<u64>()
     }
 
     /// Counters of the pool of one priority (non-blocking streams).
@@ -234,9 +247,8 @@ impl Context {
 
     /// Destroys every retired stream whose work has completed; returns how many.
     pub fn trim(&self) -> Result<usize> {
-        let pools = self.inner.pools.read().unwrap_or_else(|p| p.into_inner());
         let mut n = 0;
-        for p in pools.iter() {
+        for p in self.inner.all_pools() {
             n += p.drain(&*self.inner.driver, false)?;
         }
         Ok(n)
@@ -276,8 +288,18 @@ impl CtxInner {
         Ok(())
     }
 
+    fn slot_index(&self, priority: i32, flags: u32) -> Option<usize> {
+        if flags > stream_flags::NON_BLOCKING || !self.range.contains(priority) {
+            return None;
+        }
+        Some((self.range.least - priority) as usize * 2 + flags as usize)
+    }
+
     fn find_pool(&self, priority: i32, flags: u32) -> Option<Arc<Pool>> {
-        let pools = self.pools.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = self.slot_index(priority, flags) {
+            return self.pools[i].get().cloned();
+        }
+        let pools = self.other_pools.read().unwrap_or_else(|p| p.into_inner());
         pools
             .iter()
             .find(|p| p.priority == priority && p.flags == flags)
@@ -285,10 +307,15 @@ impl CtxInner {
     }
 
     pub(crate) fn pool(&self, priority: i32, flags: u32) -> Arc<Pool> {
+        if let Some(i) = self.slot_index(priority, flags) {
+            return self.pools[i]
+                .get_or_init(|| Arc::new(Pool::new(priority, flags)))
+                .clone();
+        }
         if let Some(p) = self.find_pool(priority, flags) {
             return p;
         }
-        let mut pools = self.pools.write().unwrap_or_else(|p| p.into_inner());
+        let mut pools = self.other_pools.write().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = pools
             .iter()
             .find(|p| p.priority == priority && p.flags == flags)
@@ -298,6 +325,18 @@ impl CtxInner {
         let p = Arc::new(Pool::new(priority, flags));
         pools.push(p.clone());
         p
+    }
+
+    fn all_pools(&self) -> Vec<Arc<Pool>> {
+        let mut v: Vec<Arc<Pool>> = self.pools.iter().filter_map(|p| p.get().cloned()).collect();
+        v.extend(
+            self.other_pools
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned(),
+        );
+        v
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
@@ -375,8 +414,7 @@ impl Drop for CtxInner {
         // Everything of this context is gone (owners, streams and buffers hold it alive).
         let _ = self.bind();
         self.flush_deferred(None);
-        let pools = std::mem::take(self.pools.get_mut().unwrap_or_else(|p| p.into_inner()));
-        for p in pools {
+        for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true);
         }
         let _ = self.driver.stream_synchronize(self.disposal.raw);

@@ -120,9 +120,8 @@ impl Owner {
             return Ok(&inner.held[i]);
         }
         let ci = &self.ctx.inner;
-        ci.bind()?;
         let pool = ci.pool(p, self.flags);
-        let (slot, gen) = pool.acquire(&*ci.driver)?;
+        let (slot, gen) = pool.acquire(ci)?;
         inner.held.push(Held { pool, slot, gen });
         Ok(inner.held.last().unwrap())
     }
@@ -225,8 +224,11 @@ impl Drop for Owner {
     }
 }
 
+/// The calling thread's implicit owners, one per context (keyed by the context state's id).
+type ThreadOwners = RefCell<SmallVec<[(u64, Rc<Owner>); 1]>>;
+
 thread_local! {
-    static IMPLICIT: RefCell<SmallVec<[(u64, Rc<Owner>); 1]>> = RefCell::new(SmallVec::new());
+    static IMPLICIT: ThreadOwners = RefCell::new(SmallVec::new());
 }
 
 pub(crate) fn with_thread_owner<R>(ctx: &Context, f: impl FnOnce(&Owner) -> R) -> Result<R> {

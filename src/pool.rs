@@ -11,6 +11,7 @@
 //! never invalidate a capture that another thread runs in global mode.
 
 use crate::capture::CaptureModeGuard;
+use crate::context::CtxInner;
 use crate::driver::{CaptureMode, Driver, Stream};
 use crate::error::Result;
 use crossbeam_utils::CachePadded;
@@ -106,14 +107,20 @@ impl std::ops::Add for PoolStats {
     }
 }
 
-type Shard = CachePadded<Mutex<SmallVec<[Arc<Slot>; 8]>>>;
+/// One shard: its retired streams, and the hit/miss counters of the threads whose home it is
+/// (counted here rather than in shared atomics, so that threads never write a common line).
+#[derive(Default)]
+struct ShardData {
+    list: Mutex<SmallVec<[Arc<Slot>; 8]>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+type Shard = CachePadded<ShardData>;
 
 #[derive(Default)]
 struct Counters {
-    created: AtomicU64,
     destroyed: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
     trimmed: AtomicU64,
 }
 
@@ -153,22 +160,28 @@ impl Pool {
             priority,
             flags,
             shards: (0..shard_count())
-                .map(|_| CachePadded::new(Mutex::new(SmallVec::new())))
+                .map(|_| CachePadded::new(ShardData::default()))
                 .collect(),
             retired: CachePadded::new(AtomicUsize::new(0)),
             counters: CachePadded::new(Counters::default()),
         }
     }
 
+    fn home(&self) -> &ShardData {
+        &self.shards[home_index() & (self.shards.len() - 1)]
+    }
+
     fn shard(&self, i: usize) -> MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>> {
         self.shards[i & (self.shards.len() - 1)]
+            .list
             .lock()
             .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
     /// generation; creates one when none qualifies. The caller has made the context current.
-    pub(crate) fn acquire(&self, driver: &dyn Driver) -> Result<(Arc<Slot>, u64)> {
+    pub(crate) fn acquire(&self, ctx: &CtxInner) -> Result<(Arc<Slot>, u64)> {
+        let driver = &*ctx.driver;
         if self.retired.load(Ordering::Acquire) > 0 {
             // Queries on behalf of the pool must never invalidate another thread's capture.
             let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
@@ -184,13 +197,14 @@ impl Pool {
                 self.trim_excess(driver);
             }
             if let Some(found) = found {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                self.home().hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(found);
             }
         }
+        // Only creating a stream needs the context to be current on this thread.
+        ctx.bind()?;
         let raw = driver.stream_create(self.flags, self.priority)?;
-        self.counters.created.fetch_add(1, Ordering::Relaxed);
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        self.home().misses.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
         Ok((slot, 1))
     }
@@ -297,6 +311,16 @@ impl Pool {
         }
     }
 
+    /// Streams alive (held and retired), from the counters alone: no driver call.
+    pub(crate) fn live(&self) -> u64 {
+        let created: u64 = self
+            .shards
+            .iter()
+            .map(|s| s.misses.load(Ordering::Relaxed))
+            .sum();
+        created - self.counters.destroyed.load(Ordering::Relaxed)
+    }
+
     /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
@@ -312,7 +336,14 @@ impl Pool {
             }
         }
         let c = &self.counters;
-        let created = c.created.load(Ordering::Relaxed);
+        let sum = |f: fn(&ShardData) -> &AtomicU64| -> u64 {
+            self.shards
+                .iter()
+                .map(|s| f(s).load(Ordering::Relaxed))
+                .sum()
+        };
+        let (hits, misses) = (sum(|s| &s.hits), sum(|s| &s.misses));
+        let created = misses;
         let destroyed = c.destroyed.load(Ordering::Relaxed);
         let live = created - destroyed;
         PoolStats {
@@ -322,8 +353,8 @@ impl Pool {
             in_use: live.saturating_sub(idle + busy),
             created,
             destroyed,
-            hits: c.hits.load(Ordering::Relaxed),
-            misses: c.misses.load(Ordering::Relaxed),
+            hits,
+            misses,
             trimmed: c.trimmed.load(Ordering::Relaxed),
         }
     }

@@ -275,6 +275,8 @@ struct State {
     counters: SimCounters,
     capture_seq: u64,
     pool_streams: u64,
+    /// Streams with a non-empty queue: `progress` visits only these.
+    busy: std::collections::BTreeSet<u64>,
 }
 
 enum Clock {
@@ -399,6 +401,7 @@ impl SimDriver {
                 counters: SimCounters::default(),
                 capture_seq: 0,
                 pool_streams: 0,
+                busy: std::collections::BTreeSet::new(),
             }),
             cv: Condvar::new(),
         }
@@ -615,6 +618,8 @@ impl SimDriver {
             }
             return Ok(());
         }
+        st.busy.insert(s.0);
+        let stream = st.streams.get_mut(&s.0).expect("checked by the caller");
         stream.queue.push_back(Op {
             kind,
             dur,
@@ -656,18 +661,14 @@ impl SimDriver {
         let now = self.clock.now();
         loop {
             let mut changed = false;
-            let ids: Vec<u64> = st
-                .streams
-                .iter()
-                .filter(|(_, s)| !s.queue.is_empty())
-                .map(|(k, _)| *k)
-                .collect();
+            let ids: Vec<u64> = st.busy.iter().copied().collect();
             for id in ids {
                 loop {
                     let (events, streams) = (&st.events, &mut st.streams);
                     let s = streams.get_mut(&id).unwrap();
                     let free_at = s.free_at;
                     let Some(head) = s.queue.front_mut() else {
+                        st.busy.remove(&id);
                         break;
                     };
                     if head.start.is_none() {
@@ -731,7 +732,7 @@ impl SimDriver {
     }
 
     fn apply(st: &mut State, e: &Effect) {
-        fn mem<'a>(st: &'a mut State, ptr: u64, bytes: usize) -> Option<&'a mut [u8]> {
+        fn mem(st: &mut State, ptr: u64, bytes: usize) -> Option<&mut [u8]> {
             let (base, a) = st.allocs.range_mut(..=ptr).next_back()?;
             let off = (ptr - base) as usize;
             a.data.get_mut(off..off + bytes)
@@ -841,7 +842,7 @@ impl SimDriver {
             let now = self.clock.now();
             let mut next: Option<u64> = None;
             let mut host_running = false;
-            for s in st.streams.values() {
+            for s in st.busy.iter().filter_map(|id| st.streams.get(id)) {
                 if let Some(h) = s.queue.front() {
                     match (&h.kind, h.start) {
                         (OpKind::Host { .. }, Some(_)) => host_running = true,
@@ -1141,9 +1142,7 @@ impl Driver for SimDriver {
             spin(ns.min(l.sync * 200_000));
             st = self.lock();
         }
-        self.wait_until(st, "cuCtxSynchronize", |st| {
-            st.streams.values().all(|s| s.queue.is_empty())
-        })
+        self.wait_until(st, "cuCtxSynchronize", |st| st.busy.is_empty())
     }
 
     fn ctx_stream_priority_range(&self) -> Result<(i32, i32)> {
@@ -1209,6 +1208,7 @@ impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuStreamDestroy_v2")?;
         self.progress(&mut st);
         let s = st.streams.remove(&stream.0).unwrap();
+        st.busy.remove(&stream.0);
         if !s.queue.is_empty() {
             // The driver returns at once and finishes the work later; the crate must never do
             // this, so the simulation reports it (and completes the work's effects now).
@@ -1369,7 +1369,8 @@ impl Driver for SimDriver {
         let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuMemAllocAsync")?;
         if bytes == 0 {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemAllocAsync");
+            // Measured on the H200: a zero-byte request succeeds and returns the null pointer.
+            return Ok(DevicePtr::NULL);
         }
         if let Some(c) = st.streams[&stream.0].capture.as_ref() {
             if c.invalidated {
@@ -1429,6 +1430,9 @@ impl Driver for SimDriver {
         self.cost(|l| l.alloc);
         let mut st = self.enter("cuMemFreeAsync", Some(stream), None, Some(ptr))?;
         Self::check_stream(&mut st, stream, "cuMemFreeAsync")?;
+        if ptr.is_null() {
+            return Ok(());
+        }
         match st.allocs.get_mut(&ptr.0) {
             Some(a) if !a.free_pending => a.free_pending = true,
             Some(_) => {
@@ -1624,11 +1628,13 @@ impl Driver for SimDriver {
                 )
             }
             Some(c) if c.mode != CaptureMode::Relaxed && c.thread != me => {
+                // Measured on the H200: the call fails and the capture is terminated.
+                st.streams.get_mut(&stream.0).unwrap().capture = None;
                 return Self::fail(
                     &mut st,
                     ErrorCode::ERROR_STREAM_CAPTURE_WRONG_THREAD,
                     "cuStreamEndCapture",
-                )
+                );
             }
             Some(_) => {}
         }
