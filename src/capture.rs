@@ -61,20 +61,20 @@ impl Drop for CaptureModeGuard<'_> {
 /// exec.launch(&s).unwrap();
 /// assert_eq!(buf.to_vec(&s).unwrap(), vec![7; 4]);
 /// ```
-pub struct CaptureGuard<'s> {
-    stream: &'s StreamRef,
+pub struct CaptureGuard {
+    stream: StreamRef,
     done: bool,
 }
 
 impl StreamRef {
     /// Begins capturing this stream in thread-local mode.
-    pub fn begin_capture(&self) -> Result<CaptureGuard<'_>> {
+    pub fn begin_capture(&self) -> Result<CaptureGuard> {
         self.begin_capture_with(CaptureMode::ThreadLocal)
     }
 
     /// Begins capturing this stream in `mode`. On failure the stream's capture state, whatever
     /// it was, is unchanged.
-    pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard<'_>> {
+    pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard> {
         self.check()?;
         let mut st = self.slot.lock();
         self.ctx
@@ -83,16 +83,16 @@ impl StreamRef {
             .stream_begin_capture(self.slot.raw, mode)?;
         st.capturing = true;
         Ok(CaptureGuard {
-            stream: self,
+            stream: self.clone(),
             done: false,
         })
     }
 }
 
-impl CaptureGuard<'_> {
+impl CaptureGuard {
     /// The stream being captured.
     pub fn stream(&self) -> &StreamRef {
-        self.stream
+        &self.stream
     }
 
     /// The capture's status and unique id (`cuStreamGetCaptureInfo`).
@@ -107,12 +107,19 @@ impl CaptureGuard<'_> {
     fn finish(&mut self) -> Result<driver::Graph> {
         self.done = true;
         let ci = &self.stream.ctx.inner;
-        let r = ci.driver.stream_end_capture(self.stream.slot.raw);
-        let still = ci
-            .driver
-            .stream_is_capturing(self.stream.slot.raw)
-            .map(|s| s != CaptureStatus::None)
-            .unwrap_or(false);
+        let capturing = || {
+            ci.driver
+                .stream_is_capturing(self.stream.slot.raw)
+                .map(|s| s != CaptureStatus::None)
+                .unwrap_or(false)
+        };
+        let mut r = ci.driver.stream_end_capture(self.stream.slot.raw);
+        if r.is_err() && capturing() {
+            // A failed end that left the capture running (a transient failure): try once more,
+            // so that the stream is not left capturing.
+            r = ci.driver.stream_end_capture(self.stream.slot.raw);
+        }
+        let still = capturing();
         if !still {
             self.stream.slot.lock().capturing = false;
             ci.flush_deferred(Some(&self.stream.slot));
@@ -131,7 +138,7 @@ impl CaptureGuard<'_> {
     }
 }
 
-impl Drop for CaptureGuard<'_> {
+impl Drop for CaptureGuard {
     fn drop(&mut self) {
         if !self.done {
             if let Ok(g) = self.finish() {

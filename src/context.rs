@@ -247,6 +247,7 @@ impl Context {
 
     /// Destroys every retired stream whose work has completed; returns how many.
     pub fn trim(&self) -> Result<usize> {
+        self.inner.flush_deferred(None);
         let mut n = 0;
         for p in self.inner.all_pools() {
             n += p.drain(&*self.inner.driver, false)?;
@@ -400,9 +401,9 @@ impl CtxInner {
                 self.free_on_disposal(ptr)
             };
             drop(st);
-            if r.is_err() {
-                // Last resort: the disposal stream is never captured.
-                let _ = self.free_on_disposal(ptr);
+            if r.is_err() && self.free_on_disposal(ptr).is_err() {
+                // Kept for the next flush.
+                keep.push((ptr, s, gen));
             }
         }
         *list = keep;
@@ -413,6 +414,7 @@ impl Drop for CtxInner {
     fn drop(&mut self) {
         // Everything of this context is gone (owners, streams and buffers hold it alive).
         let _ = self.bind();
+        self.flush_deferred(None);
         self.flush_deferred(None);
         for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true);

@@ -297,6 +297,14 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
             let _ = ci.order(last.slot.raw, ci.disposal.raw);
         }
         drop(st);
-        let _ = ci.free_on_disposal(self.ptr);
+        if ci.free_on_disposal(self.ptr).is_err() {
+            // Retried by the next `Context::trim`, the end of a capture, or teardown.
+            let gen = ci.disposal.lock().generation;
+            ci.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((
+                self.ptr,
+                ci.disposal.clone(),
+                gen,
+            ));
+        }
     }
 }

@@ -244,16 +244,18 @@ impl Pool {
                     j += 1;
                     continue;
                 }
+                if driver.stream_destroy(slot.raw).is_err() {
+                    // Keep it: a later search retries, and teardown waits and retries.
+                    j += 1;
+                    continue;
+                }
                 st.generation += 1;
                 st.destroyed = true;
-                let destroyed = driver.stream_destroy(slot.raw);
                 drop(st);
                 list.remove(j);
                 self.retired.fetch_sub(1, Ordering::AcqRel);
-                if destroyed.is_ok() {
-                    self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
-                    self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
-                }
+                self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
+                self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
             }
             if self.retired.load(Ordering::Acquire) <= MAX_IDLE {
                 return;
@@ -289,17 +291,15 @@ impl Pool {
                     j += 1;
                     continue;
                 }
+                if let Err(e) = driver.stream_destroy(slot.raw) {
+                    first_err.get_or_insert(e);
+                    j += 1;
+                    continue;
+                }
                 st.generation += 1;
                 st.destroyed = true;
-                match driver.stream_destroy(slot.raw) {
-                    Ok(()) => {
-                        n += 1;
-                        self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                    }
-                }
+                n += 1;
+                self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
                 drop(st);
                 list.remove(j);
                 self.retired.fetch_sub(1, Ordering::AcqRel);

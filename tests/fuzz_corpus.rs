@@ -1,0 +1,22 @@
+//! Replays every committed fuzz input (fuzz/corpus/pool_model) through the same model as the
+//! fuzzer, so that a past crash never returns.
+
+mod model;
+
+#[test]
+fn replay_fuzz_corpus() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/pool_model");
+    let mut n = 0;
+    let mut entries: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for path in entries {
+        let bytes = std::fs::read(&path).unwrap();
+        let r = std::panic::catch_unwind(|| model::run(&bytes));
+        assert!(r.is_ok(), "corpus input {} fails", path.display());
+        n += 1;
+    }
+    assert!(n >= 20, "expected at least 20 corpus inputs, found {n}");
+}

@@ -1,0 +1,397 @@
+//! The operation model shared by the property tests (`tests/proptest_model.rs`) and the fuzzer
+//! (`fuzz/fuzz_targets/pool_model.rs`): bytes are decoded (with `arbitrary::Unstructured`) into a
+//! sequence of operations on the public API over the simulated driver, and after every step the
+//! crate's invariants are checked. A violated invariant is a panic with a message; an error
+//! returned by the API is fine (faults are injected on purpose), a panic from the API is not.
+#![allow(dead_code)]
+
+use arbitrary::Unstructured;
+use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::{
+    CaptureGuard, Context, DeviceBuffer, ErrorCode, Owner, Priority, StreamRef, MAX_IDLE,
+};
+use std::collections::HashSet;
+use std::sync::Arc;
+
+/// One operation of the model. Indices pick among live objects (modulo their number).
+#[derive(Debug, Clone)]
+pub enum Op {
+    NewOwner,
+    DropOwner(usize),
+    Work { owner: usize, ns: u64 },
+    Advance(u64),
+    SetPriority { owner: usize, p: i32 },
+    Scoped { owner: usize, p: i32, ns: u64 },
+    Alloc { owner: usize, len: usize },
+    UseOn { buffer: usize, owner: usize },
+    DropBuffer(usize),
+    BeginCapture(usize),
+    NestedBegin(usize),
+    EndCapture { guard: usize, launch: bool },
+    DropGuard(usize),
+    Fault { nth: u64, code: u32 },
+    Trim,
+}
+
+const CODES: [u32; 5] = [1, 2, 400, 700, 999];
+
+/// Decodes operations until the bytes run out (at most `max` of them).
+pub fn decode(bytes: &[u8], max: usize) -> Vec<Op> {
+    let mut u = Unstructured::new(bytes);
+    let mut ops = Vec::new();
+    while !u.is_empty() && ops.len() < max {
+        let Ok(op) = decode_one(&mut u) else { break };
+        ops.push(op);
+    }
+    ops
+}
+
+fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
+    let idx = |u: &mut Unstructured<'_>| u.int_in_range(0..=15usize);
+    Ok(match u.int_in_range(0..=15u8)? {
+        0 | 1 => Op::NewOwner,
+        2 => Op::DropOwner(idx(u)?),
+        3 => Op::Work {
+            owner: idx(u)?,
+            ns: u.int_in_range(0..=10_000u64)?,
+        },
+        4 => Op::Advance(u.int_in_range(0..=20_000u64)?),
+        5 => Op::SetPriority {
+            owner: idx(u)?,
+            p: u.int_in_range(-7..=2i32)?,
+        },
+        6 => Op::Scoped {
+            owner: idx(u)?,
+            p: u.int_in_range(-7..=2i32)?,
+            ns: u.int_in_range(0..=5_000u64)?,
+        },
+        7 | 8 => Op::Alloc {
+            owner: idx(u)?,
+            len: u.int_in_range(0..=64usize)?,
+        },
+        9 => Op::UseOn {
+            buffer: idx(u)?,
+            owner: idx(u)?,
+        },
+        10 => Op::DropBuffer(idx(u)?),
+        11 => Op::BeginCapture(idx(u)?),
+        12 => Op::NestedBegin(idx(u)?),
+        13 => Op::EndCapture {
+            guard: idx(u)?,
+            launch: u.arbitrary()?,
+        },
+        14 => {
+            if u.ratio(1u8, 4u8)? {
+                Op::Fault {
+                    nth: u.int_in_range(1..=6u64)?,
+                    code: CODES[u.int_in_range(0..=CODES.len() - 1)?],
+                }
+            } else {
+                Op::DropGuard(idx(u)?)
+            }
+        }
+        _ => Op::Trim,
+    })
+}
+
+struct Buf {
+    b: DeviceBuffer<u32>,
+    /// Allocated while its stream was capturing (the allocation belongs to the graph).
+    in_capture: bool,
+}
+
+/// The model's state: the simulated driver, one context, and the live objects.
+pub struct Model {
+    pub sim: Arc<SimDriver>,
+    ctx: Option<Context>,
+    owners: Vec<Owner>,
+    bufs: Vec<Buf>,
+    guards: Vec<(CaptureGuard, StreamRef)>,
+    /// Streams a capture guard captures, by raw handle (for "no free enters a capture").
+    steps: usize,
+}
+
+fn pick<T>(v: &[T], i: usize) -> Option<usize> {
+    if v.is_empty() {
+        None
+    } else {
+        Some(i % v.len())
+    }
+}
+
+fn prio(p: i32) -> Priority {
+    match p {
+        1 => Priority::Low,
+        2 => Priority::High,
+        _ => Priority::Value(p),
+    }
+}
+
+impl Model {
+    pub fn new() -> Model {
+        let sim = Arc::new(SimDriver::new());
+        sim.set_logging(true);
+        let d: Arc<dyn Driver> = sim.clone();
+        let ctx = Context::primary(d, 0).expect("context");
+        Model {
+            sim,
+            ctx: Some(ctx),
+            owners: Vec::new(),
+            bufs: Vec::new(),
+            guards: Vec::new(),
+            steps: 0,
+        }
+    }
+
+    fn ctx(&self) -> &Context {
+        self.ctx.as_ref().unwrap()
+    }
+
+    fn capturing(&self, s: &StreamRef) -> bool {
+        self.guards.iter().any(|(_, g)| g.same_stream(s))
+    }
+
+    /// Applies one operation, then checks the invariants.
+    pub fn step(&mut self, op: &Op) {
+        self.steps += 1;
+        let mut acquired = false;
+        match *op {
+            Op::NewOwner => {
+                if self.owners.len() < 48 {
+                    self.owners.push(self.ctx().owner());
+                }
+            }
+            Op::DropOwner(i) => {
+                if let Some(i) = pick(&self.owners, i) {
+                    // Owners whose stream is captured keep it (dropping would leave the capture
+                    // dangling; the guard owns a handle, which turns stale, and ends it).
+                    self.owners.swap_remove(i);
+                }
+            }
+            Op::Work { owner, ns } => {
+                if let Some(i) = pick(&self.owners, owner) {
+                    let before = self.owners[i].streams().len();
+                    if let Ok(s) = self.owners[i].stream() {
+                        acquired = self.owners[i].streams().len() > before;
+                        if acquired {
+                            self.check_fresh(&s);
+                        }
+                        if !self.capturing(&s) {
+                            let _ = self.sim.enqueue_work(s.raw(), ns);
+                        }
+                    }
+                }
+            }
+            Op::Advance(ns) => self.sim.advance(ns),
+            Op::SetPriority { owner, p } => {
+                if let Some(i) = pick(&self.owners, owner) {
+                    let before = self.owners[i].priority();
+                    let cur = self.owners[i].streams();
+                    let capturing = cur
+                        .iter()
+                        .find(|(q, _)| *q == before)
+                        .is_some_and(|(_, s)| self.capturing(s));
+                    let r = self.owners[i].set_priority(prio(p));
+                    let in_range = (-5..=0).contains(&p) || p == 1 || p == 2;
+                    let value = match p {
+                        1 => 0,
+                        2 => -5,
+                        v => v,
+                    };
+                    if !in_range || (capturing && value != before) {
+                        assert!(r.is_err(), "priority {p} accepted (capturing: {capturing})");
+                        assert_eq!(
+                            self.owners[i].priority(),
+                            before,
+                            "a rejected priority changed the selection"
+                        );
+                    }
+                }
+            }
+            Op::Scoped { owner, p, ns } => {
+                if let Some(i) = pick(&self.owners, owner) {
+                    let before = self.owners[i].priority();
+                    let sim = self.sim.clone();
+                    let o = &self.owners[i];
+                    let _ = o.with_priority(prio(p), || {
+                        if let Ok(s) = o.stream() {
+                            let _ = sim.enqueue_work(s.raw(), ns);
+                        }
+                    });
+                    assert_eq!(
+                        self.owners[i].priority(),
+                        before,
+                        "scoped priority not restored"
+                    );
+                }
+            }
+            Op::Alloc { owner, len } => {
+                if let Some(i) = pick(&self.owners, owner) {
+                    if let Ok(s) = self.owners[i].stream() {
+                        let in_capture = self.capturing(&s);
+                        if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
+                            if self.bufs.len() < 64 {
+                                self.bufs.push(Buf { b, in_capture });
+                            }
+                        }
+                    }
+                }
+            }
+            Op::UseOn { buffer, owner } => {
+                if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), pick(&self.owners, owner)) {
+                    if let Ok(s) = self.owners[i].stream() {
+                        if !self.capturing(&s) && !self.bufs[j].in_capture {
+                            let _ = self.bufs[j].b.use_on(&s);
+                        }
+                    }
+                }
+            }
+            Op::DropBuffer(j) => {
+                if let Some(j) = pick(&self.bufs, j) {
+                    let buf = self.bufs.swap_remove(j);
+                    let p = buf.b.as_raw();
+                    let (last, _, current) = buf.b.last_use();
+                    let last_capturing =
+                        current && self.guards.iter().any(|(_, g)| g.raw() == last);
+                    self.sim.clear_calls();
+                    drop(buf.b);
+                    if last_capturing && !buf.in_capture {
+                        let freed = self.sim.calls().iter().any(|c| {
+                            c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
+                        });
+                        assert!(!freed, "a free entered a capture");
+                    }
+                }
+            }
+            Op::BeginCapture(i) => {
+                if let Some(i) = pick(&self.owners, i) {
+                    if let Ok(s) = self.owners[i].stream() {
+                        if !self.capturing(&s) {
+                            if let Ok(g) = s.begin_capture() {
+                                self.guards.push((g, s));
+                            }
+                        }
+                    }
+                }
+            }
+            Op::NestedBegin(k) => {
+                if let Some(k) = pick(&self.guards, k) {
+                    let s = self.guards[k].1.clone();
+                    let before = self.guards[k].0.info().ok();
+                    let r = s.begin_capture();
+                    assert!(r.is_err(), "a nested begin succeeded");
+                    drop(r);
+                    if let Some(before) = before {
+                        // (An injected fault may hit this query itself: faults are one-shot.)
+                        let g = &self.guards[k].0;
+                        let after = g.info().or_else(|_| g.info()).ok();
+                        assert_eq!(after, Some(before), "a failed begin changed the capture");
+                    }
+                }
+            }
+            Op::EndCapture { guard, launch } => {
+                if let Some(k) = pick(&self.guards, guard) {
+                    let (g, s) = self.guards.swap_remove(k);
+                    if let Ok(graph) = g.end() {
+                        if launch {
+                            if let Ok(exec) = graph.instantiate() {
+                                let _ = exec.launch(&s);
+                            }
+                        }
+                    }
+                    if s.is_current() {
+                        assert!(
+                            !s.is_capturing().unwrap_or(false),
+                            "end left the stream capturing"
+                        );
+                    }
+                }
+            }
+            Op::DropGuard(k) => {
+                if let Some(k) = pick(&self.guards, k) {
+                    let (g, s) = self.guards.swap_remove(k);
+                    drop(g);
+                    if s.is_current() {
+                        assert!(
+                            !s.is_capturing().unwrap_or(false),
+                            "a dropped guard left the stream capturing"
+                        );
+                    }
+                }
+            }
+            Op::Fault { nth, code } => self.sim.fail_nth_call(nth, ErrorCode(code)),
+            Op::Trim => {
+                let _ = self.ctx().trim();
+            }
+        }
+        self.check(acquired);
+    }
+
+    /// A stream just handed to an owner has no pending work.
+    fn check_fresh(&self, s: &StreamRef) {
+        assert!(!self.sim.is_busy(s.raw()), "a busy stream was handed out");
+    }
+
+    /// The invariants that hold after every step.
+    pub fn check(&self, after_search: bool) {
+        // No two live owners share a stream.
+        let mut seen = HashSet::new();
+        for o in &self.owners {
+            for (_, s) in o.streams() {
+                assert!(
+                    seen.insert(s.raw()),
+                    "two owners share stream {:?}",
+                    s.raw()
+                );
+            }
+        }
+        let st = self.ctx().stats();
+        assert_eq!(st.live, st.in_use + st.idle + st.retired_busy, "{st:?}");
+        assert_eq!(
+            st.in_use as usize,
+            seen.len(),
+            "owners' streams vs in_use: {st:?}"
+        );
+        if after_search {
+            assert!(
+                st.idle <= MAX_IDLE as u64,
+                "more than {MAX_IDLE} idle after a search: {st:?}"
+            );
+        }
+        // live streams = owners' + idle + retired-busy + disposal
+        assert_eq!(self.sim.counters().live_streams, st.live + 1, "{st:?}");
+        let misuse = self.sim.misuse();
+        assert!(misuse.is_empty(), "misuse: {misuse:?}");
+    }
+
+    /// Drops everything; every stream must be destroyed and every byte freed exactly once.
+    pub fn teardown(mut self) {
+        self.sim.clear_faults();
+        self.guards.clear();
+        self.bufs.clear();
+        self.owners.clear();
+        self.ctx = None;
+        let c = self.sim.counters();
+        assert_eq!(c.live_streams, 0, "streams leaked: {c:?}");
+        assert_eq!(c.live_allocs, 0, "memory leaked: {c:?}");
+        assert_eq!(c.live_events, 0, "events leaked: {c:?}");
+        let misuse = self.sim.misuse();
+        assert!(misuse.is_empty(), "misuse: {misuse:?}");
+    }
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Model::new()
+    }
+}
+
+/// Runs a whole input: decode, apply, teardown.
+pub fn run(bytes: &[u8]) {
+    let ops = decode(bytes, 400);
+    let mut m = Model::new();
+    for op in &ops {
+        m.step(op);
+    }
+    m.teardown();
+}

@@ -1,0 +1,28 @@
+//! Model-based property test: random operation sequences on the public API over the simulated
+//! driver, with the invariants of `tests/model` checked after every step and at teardown.
+//! `CSP_PROPTEST_CASES` sets the number of cases (default 10,000).
+
+mod model;
+
+use proptest::prelude::*;
+
+fn cases() -> u32 {
+    std::env::var("CSP_PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases(),
+        max_shrink_iters: 2_000,
+        failure_persistence: None,
+        .. ProptestConfig::default()
+    })]
+
+    #[test]
+    fn pool_model_invariants_hold(bytes in proptest::collection::vec(any::<u8>(), 0..800)) {
+        model::run(&bytes);
+    }
+}
