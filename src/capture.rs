@@ -81,7 +81,7 @@ impl StreamRef {
             .inner
             .driver
             .stream_begin_capture(self.slot.raw, mode)?;
-        st.capturing = true;
+        st.set_capturing(true);
         Ok(CaptureGuard {
             stream: self.clone(),
             done: false,
@@ -121,7 +121,7 @@ impl CaptureGuard {
         }
         let still = capturing();
         if !still {
-            self.stream.slot.lock().capturing = false;
+            self.stream.slot.lock().set_capturing(false);
             ci.flush_deferred(Some(&self.stream.slot));
         }
         r

@@ -422,8 +422,7 @@ impl Drop for CtxInner {
         let _ = self.driver.stream_synchronize(self.disposal.raw);
         {
             let mut st = self.disposal.lock();
-            st.generation += 1;
-            st.destroyed = true;
+            st.destroy();
         }
         let _ = self.driver.stream_destroy(self.disposal.raw);
         for e in self

@@ -81,8 +81,15 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             .filter(|b| *b > 0)
             .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
         let ci = &stream.ctx.inner;
-        ci.bind()?;
-        let ptr = ci.driver.mem_alloc_async(bytes, stream.slot.raw)?;
+        // The allocation comes from the pool of the stream's device; a current context is only
+        // needed when the driver asks for one.
+        let ptr = match ci.driver.mem_alloc_async(bytes, stream.slot.raw) {
+            Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
+                ci.bind()?;
+                ci.driver.mem_alloc_async(bytes, stream.slot.raw)?
+            }
+            r => r?,
+        };
         Ok(DeviceBuffer {
             ctx: stream.ctx.clone(),
             ptr,

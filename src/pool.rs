@@ -31,7 +31,60 @@ pub(crate) struct Slot {
     pub(crate) raw: Stream,
     pub(crate) priority: i32,
     pub(crate) flags: u32,
-    pub(crate) state: Mutex<SlotState>,
+    state: Mutex<SlotState>,
+    /// A copy of (generation, held, destroyed), written under the lock, read without it by
+    /// [`Slot::is_current`] (the advisory check of stream handles on the hot path).
+    word: AtomicU64,
+}
+
+fn word(st: &SlotState) -> u64 {
+    (st.generation << 2) | (u64::from(st.held) << 1) | u64::from(st.destroyed)
+}
+
+/// The locked state of a slot. Changes to the generation, `held` and `destroyed` go through its
+/// methods, which keep the slot's lock-free copy in step.
+pub(crate) struct SlotGuard<'a> {
+    slot: &'a Slot,
+    st: MutexGuard<'a, SlotState>,
+}
+
+impl std::ops::Deref for SlotGuard<'_> {
+    type Target = SlotState;
+    fn deref(&self) -> &SlotState {
+        &self.st
+    }
+}
+
+impl SlotGuard<'_> {
+    fn publish(&self) {
+        self.slot.word.store(word(&self.st), Ordering::Release);
+    }
+
+    /// Hands the stream to a new owner: bumps the generation; returns it.
+    pub(crate) fn hand_over(&mut self) -> u64 {
+        self.st.generation += 1;
+        self.st.held = true;
+        self.publish();
+        self.st.generation
+    }
+
+    /// The owner is gone (the generation stays: its work may still be pending).
+    pub(crate) fn retire(&mut self) {
+        self.st.held = false;
+        self.publish();
+    }
+
+    /// The stream is destroyed (or about to be): bumps the generation.
+    pub(crate) fn destroy(&mut self) {
+        self.st.generation += 1;
+        self.st.destroyed = true;
+        self.publish();
+    }
+
+    /// Whether a capture guard of this crate captures the stream.
+    pub(crate) fn set_capturing(&mut self, on: bool) {
+        self.st.capturing = on;
+    }
 }
 
 /// What the stream's lock guards: the generation and whether the stream still exists. The
@@ -50,20 +103,31 @@ pub(crate) struct SlotState {
 
 impl Slot {
     pub(crate) fn new(raw: Stream, priority: i32, flags: u32) -> Slot {
+        let st = SlotState {
+            generation: 1,
+            held: true,
+            ..SlotState::default()
+        };
         Slot {
             raw,
             priority,
             flags,
-            state: Mutex::new(SlotState {
-                generation: 1,
-                held: true,
-                ..SlotState::default()
-            }),
+            word: AtomicU64::new(word(&st)),
+            state: Mutex::new(st),
         }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, SlotState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> SlotGuard<'_> {
+        SlotGuard {
+            slot: self,
+            st: self.state.lock().unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+
+    /// Whether generation `gen` is still held (not retired, recycled or destroyed), without the
+    /// lock. Advisory: the answer can change right after.
+    pub(crate) fn is_current(&self, gen: u64) -> bool {
+        self.word.load(Ordering::Acquire) == (gen << 2) | 0b10
     }
 }
 
@@ -221,9 +285,7 @@ impl Pool {
             if !driver.stream_query(slot.raw).unwrap_or(false) {
                 continue;
             }
-            st.generation += 1;
-            st.held = true;
-            let gen = st.generation;
+            let gen = st.hand_over();
             drop(st);
             list.remove(i);
             self.retired.fetch_sub(1, Ordering::AcqRel);
@@ -249,8 +311,7 @@ impl Pool {
                     j += 1;
                     continue;
                 }
-                st.generation += 1;
-                st.destroyed = true;
+                st.destroy();
                 drop(st);
                 list.remove(j);
                 self.retired.fetch_sub(1, Ordering::AcqRel);
@@ -265,7 +326,7 @@ impl Pool {
 
     /// Takes back a stream from an owner that is gone, without waiting for its work.
     pub(crate) fn release(&self, slot: Arc<Slot>) {
-        slot.lock().held = false;
+        slot.lock().retire();
         self.shard(home_index()).push(slot);
         self.retired.fetch_add(1, Ordering::AcqRel);
     }
@@ -296,8 +357,7 @@ impl Pool {
                     j += 1;
                     continue;
                 }
-                st.generation += 1;
-                st.destroyed = true;
+                st.destroy();
                 n += 1;
                 self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
                 drop(st);

@@ -60,8 +60,7 @@ impl StreamRef {
 
     /// Whether the stream still belongs to the owner this handle came from.
     pub fn is_current(&self) -> bool {
-        let st = self.slot.lock();
-        st.generation == self.gen && st.held && !st.destroyed
+        self.slot.is_current(self.gen)
     }
 
     /// Whether two handles name the same stream (by object, never by handle value).
@@ -166,8 +165,7 @@ impl Drop for OwnedStream {
         let d = &self.stream.ctx.inner.driver;
         let mut st = self.stream.slot.lock();
         let _ = d.stream_synchronize(self.stream.slot.raw);
-        st.generation += 1;
-        st.destroyed = true;
+        st.destroy();
         let _ = d.stream_destroy(self.stream.slot.raw);
     }
 }

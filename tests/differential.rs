@@ -314,6 +314,24 @@ fn stream_create_without_context(d: &Arc<dyn Driver>) {
     assert_eq!(c, 201);
 }
 
+/// Stream-ordered allocation needs no current context on the calling thread: the memory comes
+/// from the pool of the stream's device.
+fn alloc_without_current_context(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    let d2 = d.clone();
+    let p = std::thread::spawn(move || {
+        let p = d2.mem_alloc_async(256, s).unwrap();
+        d2.mem_free_async(p, s).unwrap();
+        p
+    })
+    .join()
+    .unwrap();
+    assert!(!p.is_null());
+    d.stream_synchronize(s).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
 /// A host function runs after the stream's earlier work, and later work waits for it.
 fn host_func_order(d: &Arc<dyn Driver>) {
     let e = Env::new(d);
@@ -434,6 +452,7 @@ on_both_drivers! {
     async_alloc_free,
     unrecorded_event,
     stream_create_without_context,
+    alloc_without_current_context,
     host_func_order,
     end_capture_wrong_thread,
     module_loading,
