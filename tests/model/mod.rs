@@ -10,7 +10,7 @@ use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{
     CaptureGuard, Context, DeviceBuffer, ErrorCode, Owner, Priority, StreamRef, MAX_IDLE,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 /// One operation of the model. Indices pick among live objects (modulo their number).
@@ -98,6 +98,9 @@ struct Buf {
     b: DeviceBuffer<u32>,
     /// Allocated while its stream was capturing (the allocation belongs to the graph).
     in_capture: bool,
+    /// The model's own record of the last use: (raw stream, the model's hand-over count of that
+    /// stream at the time).
+    last: (u64, u64),
 }
 
 /// The model's state: the simulated driver, one context, and the live objects.
@@ -107,8 +110,14 @@ pub struct Model {
     owners: Vec<Owner>,
     bufs: Vec<Buf>,
     guards: Vec<(CaptureGuard, StreamRef)>,
-    /// Streams a capture guard captures, by raw handle (for "no free enters a capture").
     steps: usize,
+    /// A model id per owner (parallel to `owners`).
+    owner_ids: Vec<u64>,
+    next_owner: u64,
+    /// (owner id, raw stream) pairs seen held; a new pair is a hand-over.
+    held: HashSet<(u64, u64)>,
+    /// The model's count of hand-overs per raw stream (the simulation never reuses handles).
+    gens: HashMap<u64, u64>,
 }
 
 fn pick<T>(v: &[T], i: usize) -> Option<usize> {
@@ -140,6 +149,60 @@ impl Model {
             bufs: Vec::new(),
             guards: Vec::new(),
             steps: 0,
+            owner_ids: Vec::new(),
+            next_owner: 0,
+            held: HashSet::new(),
+            gens: HashMap::new(),
+        }
+    }
+
+    /// Records hand-overs: every (owner, stream) pair not seen before bumps the model's count.
+    fn sync_holdings(&mut self) {
+        let mut now = HashSet::new();
+        for (o, id) in self.owners.iter().zip(&self.owner_ids) {
+            for (_, s) in o.streams() {
+                now.insert((*id, s.raw().0));
+            }
+        }
+        for pair in now.difference(&self.held) {
+            *self.gens.entry(pair.1).or_insert(0) += 1;
+        }
+        self.held = now;
+    }
+
+    fn gen_of(&self, raw: u64) -> u64 {
+        self.gens.get(&raw).copied().unwrap_or(0)
+    }
+
+    /// The owner's stream, with the model's hand-over record brought up to date.
+    fn stream_of(&mut self, i: usize) -> Option<StreamRef> {
+        let s = self.owners[i].stream().ok();
+        self.sync_holdings();
+        s
+    }
+
+    /// Checks the calls a buffer operation made: event records and frees may only touch the
+    /// buffer's last stream while that stream has not been handed to anyone since (or the
+    /// disposal stream); waits only the target stream.
+    fn check_buffer_calls(&self, last: (u64, u64), ptr: u64, target: Option<u64>) {
+        let disposal = self.ctx().disposal_stream().0;
+        for c in self.sim.calls() {
+            let st = c.stream.map(|s| s.0);
+            match c.name {
+                "cuEventRecord" => {
+                    assert_eq!(st, Some(last.0), "event recorded on another stream than the last use");
+                    assert_eq!(self.gen_of(last.0), last.1, "waited on a recycled stream's new owner");
+                }
+                "cuStreamWaitEvent" => {
+                    assert!(st == target || st == Some(disposal), "wait on an unexpected stream: {c:?}");
+                }
+                "cuMemFreeAsync" if c.ptr.map(|p| p.0) == Some(ptr) => {
+                    let ok = st == Some(disposal)
+                        || (st == Some(last.0) && self.gen_of(last.0) == last.1);
+                    assert!(ok, "freed into a recycled stream: {c:?}");
+                }
+                _ => {}
+            }
         }
     }
 
@@ -159,19 +222,21 @@ impl Model {
             Op::NewOwner => {
                 if self.owners.len() < 48 {
                     self.owners.push(self.ctx().owner());
+                    self.owner_ids.push(self.next_owner);
+                    self.next_owner += 1;
                 }
             }
             Op::DropOwner(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    // Owners whose stream is captured keep it (dropping would leave the capture
-                    // dangling; the guard owns a handle, which turns stale, and ends it).
                     self.owners.swap_remove(i);
+                    self.owner_ids.swap_remove(i);
+                    self.sync_holdings();
                 }
             }
             Op::Work { owner, ns } => {
                 if let Some(i) = pick(&self.owners, owner) {
                     let before = self.owners[i].streams().len();
-                    if let Ok(s) = self.owners[i].stream() {
+                    if let Some(s) = self.stream_of(i) {
                         acquired = self.owners[i].streams().len() > before;
                         if acquired {
                             self.check_fresh(&s);
@@ -227,11 +292,12 @@ impl Model {
             }
             Op::Alloc { owner, len } => {
                 if let Some(i) = pick(&self.owners, owner) {
-                    if let Ok(s) = self.owners[i].stream() {
+                    if let Some(s) = self.stream_of(i) {
                         let in_capture = self.capturing(&s);
                         if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
                             if self.bufs.len() < 64 {
-                                self.bufs.push(Buf { b, in_capture });
+                                let last = (s.raw().0, self.gen_of(s.raw().0));
+                                self.bufs.push(Buf { b, in_capture, last });
                             }
                         }
                     }
@@ -239,9 +305,15 @@ impl Model {
             }
             Op::UseOn { buffer, owner } => {
                 if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), pick(&self.owners, owner)) {
-                    if let Ok(s) = self.owners[i].stream() {
+                    if let Some(s) = self.stream_of(i) {
                         if !self.capturing(&s) && !self.bufs[j].in_capture {
-                            let _ = self.bufs[j].b.use_on(&s);
+                            self.sim.clear_calls();
+                            let r = self.bufs[j].b.use_on(&s);
+                            let raw = s.raw().0;
+                            self.check_buffer_calls(self.bufs[j].last, self.bufs[j].b.as_raw().0, Some(raw));
+                            if r.is_ok() {
+                                self.bufs[j].last = (raw, self.gen_of(raw));
+                            }
                         }
                     }
                 }
@@ -255,6 +327,7 @@ impl Model {
                         current && self.guards.iter().any(|(_, g)| g.raw() == last);
                     self.sim.clear_calls();
                     drop(buf.b);
+                    self.check_buffer_calls(buf.last, p.0, None);
                     if last_capturing && !buf.in_capture {
                         let freed = self.sim.calls().iter().any(|c| {
                             c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
@@ -265,7 +338,7 @@ impl Model {
             }
             Op::BeginCapture(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    if let Ok(s) = self.owners[i].stream() {
+                    if let Some(s) = self.stream_of(i) {
                         if !self.capturing(&s) {
                             if let Ok(g) = s.begin_capture() {
                                 self.guards.push((g, s));
@@ -324,6 +397,7 @@ impl Model {
                 let _ = self.ctx().trim();
             }
         }
+        self.sync_holdings();
         self.check(acquired);
     }
 
