@@ -190,11 +190,22 @@ impl Model {
             let st = c.stream.map(|s| s.0);
             match c.name {
                 "cuEventRecord" => {
-                    assert_eq!(st, Some(last.0), "event recorded on another stream than the last use");
-                    assert_eq!(self.gen_of(last.0), last.1, "waited on a recycled stream's new owner");
+                    assert_eq!(
+                        st,
+                        Some(last.0),
+                        "event recorded on another stream than the last use"
+                    );
+                    assert_eq!(
+                        self.gen_of(last.0),
+                        last.1,
+                        "waited on a recycled stream's new owner"
+                    );
                 }
                 "cuStreamWaitEvent" => {
-                    assert!(st == target || st == Some(disposal), "wait on an unexpected stream: {c:?}");
+                    assert!(
+                        st == target || st == Some(disposal),
+                        "wait on an unexpected stream: {c:?}"
+                    );
                 }
                 "cuMemFreeAsync" if c.ptr.map(|p| p.0) == Some(ptr) => {
                     let ok = st == Some(disposal)
@@ -297,7 +308,11 @@ impl Model {
                         if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
                             if self.bufs.len() < 64 {
                                 let last = (s.raw().0, self.gen_of(s.raw().0));
-                                self.bufs.push(Buf { b, in_capture, last });
+                                self.bufs.push(Buf {
+                                    b,
+                                    in_capture,
+                                    last,
+                                });
                             }
                         }
                     }
@@ -310,7 +325,11 @@ impl Model {
                             self.sim.clear_calls();
                             let r = self.bufs[j].b.use_on(&s);
                             let raw = s.raw().0;
-                            self.check_buffer_calls(self.bufs[j].last, self.bufs[j].b.as_raw().0, Some(raw));
+                            self.check_buffer_calls(
+                                self.bufs[j].last,
+                                self.bufs[j].b.as_raw().0,
+                                Some(raw),
+                            );
                             if r.is_ok() {
                                 self.bufs[j].last = (raw, self.gen_of(raw));
                             }
