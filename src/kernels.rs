@@ -99,6 +99,8 @@ impl Kernels {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let (g, _) = grid(n)?;
+        // The function belongs to this context's module: launch with the context current.
+        self.ctx.inner.bind()?;
         // SAFETY: every caller passes pointers to values of the kernel's parameter types (a
         // device pointer as u64, then u32s), and the device ranges are whole buffers of at least
         // `n` elements, ordered on `s` by `check`.
