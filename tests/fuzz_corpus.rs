@@ -5,7 +5,14 @@ mod model;
 
 #[test]
 fn replay_fuzz_corpus() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/pool_model");
+    // The source tree where the test was built, else the working directory (a test binary
+    // carried to another machine runs from the repository root there).
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/pool_model");
+    let dir = if built.is_dir() {
+        built
+    } else {
+        std::path::PathBuf::from("fuzz/corpus/pool_model")
+    };
     let mut n = 0;
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
