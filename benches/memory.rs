@@ -1,5 +1,9 @@
-//! Alloc + free of 4 KiB through `DeviceBuffer` against raw `cuMemAllocAsync` + `cuMemFreeAsync`
-//! on the same stream, in the same run. Both synchronize the stream every 1,024 iterations.
+//! Alloc + free of 4 KiB through `DeviceBuffer` against raw `cuMemAllocAsync` +
+//! `cuMemFreeAsync` on the same stream, in the same run.
+//!
+//! The two variants run interleaved in chunks of 256 iterations (each benchmark times its own
+//! chunks and runs the other's untimed in between, then synchronizes the stream), so that drift
+//! of the GPU's or the allocator's state affects both alike.
 //!
 //!   cargo bench --bench memory                        # auto: the GPU when present
 //!   CSP_BENCH_DRIVER=sim cargo bench --bench memory
@@ -8,57 +12,58 @@
 mod common;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use cuda_stream_pool::{Context, DeviceBuffer};
+use cuda_stream_pool::driver::{Driver, Stream};
+use cuda_stream_pool::{Context, DeviceBuffer, StreamRef};
 use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+const CHUNK: u64 = 256;
+
+fn raw(d: &dyn Driver, s: Stream) {
+    let p = d.mem_alloc_async(4096, s).unwrap();
+    d.mem_free_async(black_box(p), s).unwrap();
+}
+
+fn buffer(s: &StreamRef) {
+    let b = DeviceBuffer::<f32>::alloc(s, 1024).unwrap();
+    drop(black_box(b));
+}
+
+/// Times `iters` runs of `mine`, interleaved chunk by chunk with untimed runs of `other`.
+fn interleaved(iters: u64, sync: &dyn Fn(), mine: &dyn Fn(), other: &dyn Fn()) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(CHUNK);
+        let t = Instant::now();
+        for _ in 0..n {
+            mine();
+        }
+        total += t.elapsed();
+        for _ in 0..n {
+            other();
+        }
+        sync();
+        left -= n;
+    }
+    total
+}
 
 fn benches(c: &mut Criterion) {
     let d = common::driver();
     let ctx = Context::primary(d.clone(), 0).unwrap();
     let owner = ctx.owner();
     let s = owner.stream().unwrap();
-    let raw = s.raw();
+    let r = s.raw();
+    let sync = || d.stream_synchronize(r).unwrap();
+    let run_raw = || raw(&*d, r);
+    let run_buf = || buffer(&s);
     let mut g = c.benchmark_group("alloc_free_4KiB");
-    let mut n = 0u32;
     g.bench_function("raw", |b| {
-        b.iter(|| {
-            let p = d.mem_alloc_async(4096, raw).unwrap();
-            d.mem_free_async(black_box(p), raw).unwrap();
-            n = n.wrapping_add(1);
-            if n % 1024 == 0 {
-                d.stream_synchronize(raw).unwrap();
-            }
-        })
+        b.iter_custom(|iters| interleaved(iters, &sync, &run_raw, &run_buf))
     });
     g.bench_function("device_buffer", |b| {
-        b.iter(|| {
-            let buf = DeviceBuffer::<f32>::alloc(&s, 1024).unwrap();
-            drop(black_box(buf));
-            n = n.wrapping_add(1);
-            if n % 1024 == 0 {
-                s.synchronize().unwrap();
-            }
-        })
-    });
-    g.bench_function("raw_with_ctx_get_current", |b| {
-        b.iter(|| {
-            black_box(d.ctx_get_current().unwrap());
-            let p = d.mem_alloc_async(4096, raw).unwrap();
-            d.mem_free_async(black_box(p), raw).unwrap();
-            n = n.wrapping_add(1);
-            if n % 1024 == 0 {
-                d.stream_synchronize(raw).unwrap();
-            }
-        })
-    });
-    g.bench_function("raw_again", |b| {
-        b.iter(|| {
-            let p = d.mem_alloc_async(4096, raw).unwrap();
-            d.mem_free_async(black_box(p), raw).unwrap();
-            n = n.wrapping_add(1);
-            if n % 1024 == 0 {
-                d.stream_synchronize(raw).unwrap();
-            }
-        })
+        b.iter_custom(|iters| interleaved(iters, &sync, &run_buf, &run_raw))
     });
     g.finish();
 }
