@@ -106,6 +106,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     pub fn zeroed(stream: &StreamRef, len: usize) -> Result<Self> {
         let b = Self::alloc(stream, len)?;
         let words = len * std::mem::size_of::<T>();
+        b.ctx.inner.bind()?;
         if words % 4 == 0 {
             b.ctx
                 .inner
@@ -182,6 +183,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     fn copy_bytes_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
         self.use_on(stream)?;
+        // Async copies fail with CUDA_ERROR_INVALID_VALUE unless the stream's context is current
+        // on the calling thread (measured on two H200s).
+        self.ctx.inner.bind()?;
         // SAFETY: `data` outlives the call and the stream is synchronized before returning, so
         // the copy has finished reading it; the device range is this allocation.
         unsafe {
@@ -221,6 +225,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             )));
         }
         self.use_on(stream)?;
+        self.ctx.inner.bind()?;
         // SAFETY: `dst` is exclusively borrowed until we return, and we return only after the
         // stream (and so the copy) has completed; any bytes are a valid T (DeviceCopy).
         unsafe {
@@ -260,6 +265,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             return Err(Error::invalid("fill needs a 4-byte element type"));
         }
         self.use_on(stream)?;
+        self.ctx.inner.bind()?;
         // SAFETY: T is 4 bytes of plain data (checked above), so it can be read as a u32.
         let word: u32 = unsafe { std::mem::transmute_copy(&value) };
         self.ctx
@@ -299,12 +305,18 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
             if ci.driver.mem_free_async(self.ptr, last.slot.raw).is_ok() {
                 return;
             }
+            // Dropped on a thread where another context is current? Bind and try again.
+            if ci.bind().is_ok() && ci.driver.mem_free_async(self.ptr, last.slot.raw).is_ok() {
+                return;
+            }
             // The free could not be enqueued on the last stream: free on the disposal stream,
             // ordered after the last use (its generation is current, so its work may be pending).
             let _ = ci.order(last.slot.raw, ci.disposal.raw);
         }
         drop(st);
-        if ci.free_on_disposal(self.ptr).is_err() {
+        if ci.free_on_disposal(self.ptr).is_err()
+            && (ci.bind().is_err() || ci.free_on_disposal(self.ptr).is_err())
+        {
             // Retried by the next `Context::trim`, the end of a capture, or teardown.
             let gen = ci.disposal.lock().generation;
             ci.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((
