@@ -16,7 +16,7 @@
 
 use crate::context::Context;
 use crate::driver::{self, CaptureMode, CaptureStatus, Driver};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorCode, Result};
 use crate::stream::StreamRef;
 
 /// Sets the calling thread's capture mode (`cuThreadExchangeStreamCaptureMode`) and restores the
@@ -107,18 +107,26 @@ impl CaptureGuard {
     fn finish(&mut self) -> Result<driver::Graph> {
         self.done = true;
         let ci = &self.stream.ctx.inner;
-        let capturing = || {
+        let raw = self.stream.slot.raw;
+        let status = || {
             ci.driver
-                .stream_is_capturing(self.stream.slot.raw)
+                .stream_is_capturing(raw)
                 .map(|s| s != CaptureStatus::None)
-                .unwrap_or(false)
         };
-        let mut r = ci.driver.stream_end_capture(self.stream.slot.raw);
-        if r.is_err() && capturing() {
-            // A failed end that left the capture running (a transient failure): try once more,
-            // so that the stream is not left capturing.
-            r = ci.driver.stream_end_capture(self.stream.slot.raw);
+        let mut r = ci.driver.stream_end_capture(raw);
+        // A failed end that left the capture running (a transient failure) is retried, so that the
+        // stream is not left capturing; the first error is the one reported.
+        for _ in 0..2 {
+            if r.is_ok() || status() == Ok(false) {
+                break;
+            }
+            match ci.driver.stream_end_capture(raw) {
+                Ok(g) => r = Ok(g),
+                Err(e) if e.code() == Some(ErrorCode::ERROR_ILLEGAL_STATE) => break,
+                Err(_) => {}
+            }
         }
+        let capturing = || status().unwrap_or(false);
         let still = capturing();
         if !still {
             self.stream.slot.lock().set_capturing(false);
