@@ -58,23 +58,31 @@ fn run(
     fallback: Option<cuda_stream_pool::Error>,
     opts: demo::Options,
 ) -> cuda_stream_pool::Result<()> {
+    // With --json, stdout carries only the rows; the header goes to stderr.
+    let say = |line: String| {
+        if opts.json {
+            eprintln!("{line}")
+        } else {
+            println!("{line}")
+        }
+    };
     let simulated = drv.kind() == "sim";
     if simulated {
-        println!("driver: simulated (no GPU used; latencies modelled on an H200)");
+        say("driver: simulated (no GPU used; latencies modelled on an H200)".into());
         if let Some(why) = &fallback {
             if opts.driver == Choice::Auto {
-                println!("        (real driver unavailable: {why})");
+                say(format!("        (real driver unavailable: {why})"));
             }
         }
     } else {
-        println!("driver: CUDA");
+        say("driver: CUDA".into());
     }
     drv.init()?;
     let dev = drv.device_get(0)?;
     let version = drv.driver_version()?;
     let ctx = Context::primary(drv.clone(), 0)?;
     let range = ctx.priority_range();
-    println!(
+    say(format!(
         "device: {} (compute {}.{}, {} SMs), CUDA driver {}.{}, stream priorities {} (least) ..= {} (greatest)",
         drv.device_name(dev)?,
         drv.device_attribute(dev, DeviceAttr::ComputeCapabilityMajor)?,
@@ -84,6 +92,6 @@ fn run(
         (version % 1000) / 10,
         range.least,
         range.greatest
-    );
+    ));
     demo::run(&ctx, &opts)
 }
