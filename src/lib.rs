@@ -60,6 +60,14 @@
 //! ends the capture and discards the partial graph. The pool's own queries run in relaxed
 //! capture mode, so they never invalidate a capture that another thread runs in global mode.
 //!
+//! ## Errors
+//!
+//! No public function panics on bad input or on a driver failure: every driver result is checked
+//! and returned as [`Error`] (with the driver's code, its name and the entry point). Destructors
+//! cannot return errors; where a driver call fails in one (a free, a stream or graph destroy),
+//! the crate retries or falls back (a free that fails is retried on the disposal stream and, failing
+//! that, kept until the next [`Context::trim`] or teardown) and otherwise ignores the failure.
+//!
 //! ## Drivers
 //!
 //! Everything runs on a [`driver::Driver`]: the real one ([`driver::CudaDriver`], `libcuda`

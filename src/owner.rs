@@ -67,9 +67,6 @@ impl std::fmt::Debug for Owner {
     }
 }
 
-// SAFETY-free note: `Owner` is Send automatically (RefCell<..> of Send data); it is !Sync
-// because of the RefCell, which is what we want.
-
 impl Owner {
     /// A new owner at normal priority, holding no stream yet.
     pub fn new(ctx: &Context) -> Owner {
