@@ -10,9 +10,11 @@
 //! * Dropped while its last stream is being captured (by a [`crate::CaptureGuard`]): the free is
 //!   never put into the capture. It is deferred until the capture ends, then enqueued on the
 //!   stream (or on the disposal stream if the stream was recycled meanwhile).
-//! * Allocated inside a capture: the allocation is a node of the graph. Drop such a buffer inside
-//!   the same capture (the free becomes a node too) so that each launch of the graph allocates and
-//!   frees it; a buffer of a capture that outlives the capture is freed after it as above.
+//! * Allocated inside a capture: the allocation is a node of the graph, which owns the memory.
+//!   Dropped inside the same capture, its free becomes a node too, so that every launch of the
+//!   graph allocates and frees it (the usual pattern for temporaries). Dropped after the capture,
+//!   it is freed on its stream, which CUDA allows once the graph has run; dropping it before the
+//!   graph ever ran is an error of the driver that a destructor cannot report (it is ignored).
 
 use crate::context::Context;
 use crate::driver::DevicePtr;
@@ -60,6 +62,8 @@ pub struct DeviceBuffer<T: DeviceCopy> {
     ptr: DevicePtr,
     len: usize,
     last: Mutex<LastUse>,
+    /// Allocated while its stream was being captured: the allocation is a node of the graph.
+    captured: bool,
     _t: PhantomData<T>,
 }
 
@@ -98,6 +102,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 slot: stream.slot.clone(),
                 gen: stream.gen,
             }),
+            captured: stream.slot.is_capturing(),
             _t: PhantomData,
         })
     }
@@ -247,6 +252,61 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         r
     }
 
+    /// Enqueues a copy of `src` into the buffer on `stream` and returns without waiting.
+    ///
+    /// # Safety
+    /// `src` must stay valid and unmodified until the copy has completed on the GPU (for example
+    /// until `stream.synchronize()` returns). For pageable memory the driver reads `src` before
+    /// returning; for page-locked memory it reads it later.
+    pub unsafe fn copy_from_host_async(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
+        if src.len() != self.len {
+            return Err(Error::invalid(format!(
+                "copy of {} elements into a buffer of {}",
+                src.len(),
+                self.len
+            )));
+        }
+        self.use_on(stream)?;
+        self.ctx.inner.bind()?;
+        // SAFETY: the caller keeps `src` valid until the copy completes; the device range is
+        // this allocation, of the same length.
+        unsafe {
+            self.ctx.inner.driver.memcpy_htod_async(
+                self.ptr,
+                src.as_ptr() as *const u8,
+                std::mem::size_of_val(src),
+                stream.slot.raw,
+            )
+        }
+    }
+
+    /// Enqueues a copy of the buffer into `dst` on `stream` and returns without waiting.
+    ///
+    /// # Safety
+    /// `dst` must stay valid, and must be neither read nor written by the host, until the copy has
+    /// completed on the GPU (for example until `stream.synchronize()` returns).
+    pub unsafe fn copy_to_host_async(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
+        if dst.len() != self.len {
+            return Err(Error::invalid(format!(
+                "copy of a buffer of {} elements into {}",
+                self.len,
+                dst.len()
+            )));
+        }
+        self.use_on(stream)?;
+        self.ctx.inner.bind()?;
+        // SAFETY: the caller keeps `dst` valid and untouched until the copy completes; any bytes
+        // are a valid T (DeviceCopy).
+        unsafe {
+            self.ctx.inner.driver.memcpy_dtoh_async(
+                dst.as_mut_ptr() as *mut u8,
+                self.ptr,
+                std::mem::size_of_val(dst),
+                stream.slot.raw,
+            )
+        }
+    }
+
     /// Copies the buffer into a new vector on `stream`; returns once the copy has completed.
     pub fn to_vec(&self, stream: &StreamRef) -> Result<Vec<T>> {
         let mut v = Vec::with_capacity(self.len);
@@ -292,6 +352,20 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
         let ci = &self.ctx.inner;
         let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
         let st = last.slot.lock();
+        if self.captured {
+            // The graph owns the allocation: a free during the same capture becomes the graph's
+            // free node; after the capture, a stream-ordered free (valid once the graph has run).
+            // It is tried twice and not kept for later (a later retry would be outside the graph).
+            let on = if st.generation == last.gen && !st.destroyed {
+                last.slot.raw
+            } else {
+                ci.disposal.raw
+            };
+            if ci.driver.mem_free_async(self.ptr, on).is_err() {
+                let _ = ci.driver.mem_free_async(self.ptr, on);
+            }
+            return;
+        }
         if st.generation == last.gen && !st.destroyed {
             if st.capturing {
                 drop(st);

@@ -38,7 +38,10 @@ pub(crate) struct Slot {
 }
 
 fn word(st: &SlotState) -> u64 {
-    (st.generation << 2) | (u64::from(st.held) << 1) | u64::from(st.destroyed)
+    (st.generation << 3)
+        | (u64::from(st.capturing) << 2)
+        | (u64::from(st.held) << 1)
+        | u64::from(st.destroyed)
 }
 
 /// The locked state of a slot. Changes to the generation, `held` and `destroyed` go through its
@@ -84,6 +87,7 @@ impl SlotGuard<'_> {
     /// Whether a capture guard of this crate captures the stream.
     pub(crate) fn set_capturing(&mut self, on: bool) {
         self.st.capturing = on;
+        self.publish();
     }
 }
 
@@ -127,7 +131,12 @@ impl Slot {
     /// Whether generation `gen` is still held (not retired, recycled or destroyed), without the
     /// lock. Advisory: the answer can change right after.
     pub(crate) fn is_current(&self, gen: u64) -> bool {
-        self.word.load(Ordering::Acquire) == (gen << 2) | 0b10
+        self.word.load(Ordering::Acquire) & !0b100 == (gen << 3) | 0b10
+    }
+
+    /// Whether a capture guard of this crate captures the stream, without the lock (advisory).
+    pub(crate) fn is_capturing(&self) -> bool {
+        self.word.load(Ordering::Acquire) & 0b100 != 0
     }
 }
 

@@ -183,7 +183,37 @@ fn capture_survives_pool_churn(d: &Arc<dyn Driver>) {
     assert_eq!(buf.to_vec(&s).unwrap(), vec![10; 256]);
 }
 
+/// A buffer allocated and dropped inside a capture belongs to the graph: its allocation and free
+/// are nodes, and every launch allocates, computes and frees.
+fn buffer_allocated_in_capture_belongs_to_graph(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let k = Kernels::load(&ctx).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let out = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    s.synchronize().unwrap();
+    let g = s.begin_capture().unwrap();
+    {
+        let mut tmp = DeviceBuffer::<u32>::alloc(&s, 64).unwrap();
+        tmp.fill(&s, 5).unwrap();
+        k.add_u32(&s, &tmp, 1).unwrap();
+        k.add_u32(&s, &out, 1).unwrap();
+    } // tmp's free is a node of the graph
+    let graph = g.end().unwrap();
+    assert_eq!(
+        graph.node_count().unwrap(),
+        5,
+        "alloc, memset, 2 kernels, free"
+    );
+    let exec = graph.instantiate().unwrap();
+    for _ in 0..3 {
+        exec.launch(&s).unwrap();
+    }
+    assert_eq!(out.to_vec(&s).unwrap(), vec![3; 64]);
+}
+
 on_both_drivers! {
+    buffer_allocated_in_capture_belongs_to_graph,
     nested_begin_keeps_outer_capture,
     dropped_guard_leaves_stream_usable,
     panic_in_capture_ends_it,
@@ -211,6 +241,17 @@ fn failed_instantiate_leaks_nothing() {
     assert!(g.instantiate().is_err());
     let c = sim.counters();
     assert_eq!((c.live_graphs, c.live_graph_execs), (0, 0));
+}
+
+/// Simulation only: graph-owned memory is allocated and freed by each launch; nothing leaks.
+#[test]
+fn graph_memory_does_not_leak() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    buffer_allocated_in_capture_belongs_to_graph(&d);
+    let c = sim.counters();
+    assert_eq!(c.live_allocs, 0, "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
 /// Simulation only: the deferred free reaches the stream after the capture, in the call log.

@@ -402,6 +402,27 @@ fn capture_info(d: &Arc<dyn Driver>) {
     d.stream_destroy(s).unwrap();
 }
 
+/// Stream-ordered allocation inside a capture becomes an allocation node owned by the graph; a
+/// free in the same capture a free node; every launch allocates and frees.
+fn alloc_and_free_inside_capture(d: &Arc<dyn Driver>) {
+    let e = Env::new(d);
+    let s = e.stream();
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    let p = d.mem_alloc_async(1024, s).unwrap();
+    d.memset_d32_async(p, 3, 256, s).unwrap();
+    d.mem_free_async(p, s).unwrap();
+    let g = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.graph_node_count(g).unwrap(), 3);
+    let x = d.graph_instantiate(g).unwrap();
+    d.graph_destroy(g).unwrap();
+    for _ in 0..3 {
+        d.graph_launch(x, s).unwrap();
+    }
+    d.stream_synchronize(s).unwrap();
+    d.graph_exec_destroy(x).unwrap();
+    d.stream_destroy(s).unwrap();
+}
+
 /// A capture of nothing gives a graph with no nodes that instantiates and launches.
 fn empty_capture(d: &Arc<dyn Driver>) {
     let e = Env::new(d);
@@ -458,5 +479,6 @@ on_both_drivers! {
     module_loading,
     capture_info,
     empty_capture,
+    alloc_and_free_inside_capture,
     mem_pool_release_threshold,
 }

@@ -85,6 +85,16 @@ fn memory_errors(d: &Arc<dyn Driver>) {
     assert!(matches!(wide.fill(&s, 1), Err(Error::InvalidArgument(_))));
     b.copy_from_host(&s, &[1.5; 8]).unwrap();
     assert_eq!(b.to_vec(&s).unwrap(), vec![1.5; 8]);
+    // The asynchronous forms, with the host memory kept alive until the stream is synchronized.
+    let src = [2.5f32; 8];
+    let mut dst = [0.0f32; 8];
+    // SAFETY: `src` and `dst` outlive the synchronize below and are not touched before it.
+    unsafe {
+        b.copy_from_host_async(&s, &src).unwrap();
+        b.copy_to_host_async(&s, &mut dst).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert_eq!(dst, [2.5; 8]);
 }
 
 on_both_drivers! {

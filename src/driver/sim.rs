@@ -178,11 +178,32 @@ impl Kernel {
 
 enum Effect {
     Work,
-    Memset { ptr: u64, value: u32, count: usize },
-    HtoD { dst: u64, data: Vec<u8> },
-    DtoH { dst: usize, src: u64, bytes: usize },
-    Free { ptr: u64 },
-    Kernel { k: Kernel, args: Vec<u64> },
+    Memset {
+        ptr: u64,
+        value: u32,
+        count: usize,
+    },
+    HtoD {
+        dst: u64,
+        data: Vec<u8>,
+    },
+    DtoH {
+        dst: usize,
+        src: u64,
+        bytes: usize,
+    },
+    Free {
+        ptr: u64,
+    },
+    /// A graph's allocation node: (re)creates the allocation when the graph runs.
+    GraphAlloc {
+        ptr: u64,
+        bytes: usize,
+    },
+    Kernel {
+        k: Kernel,
+        args: Vec<u64>,
+    },
     Host(Arc<Mutex<Option<HostFn>>>),
 }
 
@@ -248,6 +269,9 @@ impl SimEvent {
 struct SimAlloc {
     data: Vec<u8>,
     free_pending: bool,
+    /// Reserved by an allocation node during capture: usable by captured work, owned by the
+    /// graph, not counted as live memory until the graph runs.
+    graph_owned: bool,
 }
 
 struct Fault {
@@ -661,6 +685,10 @@ impl SimDriver {
                 bytes: *bytes,
             },
             Effect::Free { ptr } => Effect::Free { ptr: *ptr },
+            Effect::GraphAlloc { ptr, bytes } => Effect::GraphAlloc {
+                ptr: *ptr,
+                bytes: *bytes,
+            },
             Effect::Kernel { k, args } => Effect::Kernel {
                 k: *k,
                 args: args.clone(),
@@ -777,12 +805,41 @@ impl SimDriver {
                 }
                 None => bad(st, "device-to-host copy", *src),
             },
-            Effect::Free { ptr } => {
-                if let Some(a) = st.allocs.remove(ptr) {
+            Effect::Free { ptr } => match st.allocs.remove(ptr) {
+                Some(a) if !a.graph_owned => {
                     st.counters.live_alloc_bytes -= a.data.len() as u64;
                     st.counters.live_allocs -= 1;
-                } else {
-                    bad(st, "free", *ptr);
+                }
+                Some(_) => {}
+                None => bad(st, "free", *ptr),
+            },
+            Effect::GraphAlloc { ptr, bytes } => {
+                let counted = match st.allocs.get_mut(ptr) {
+                    Some(a) if a.graph_owned => {
+                        a.graph_owned = false;
+                        true
+                    }
+                    Some(_) => {
+                        st.misuse.push(format!(
+                            "graph allocation at {ptr:#x} made again before it was freed"
+                        ));
+                        false
+                    }
+                    None => {
+                        st.allocs.insert(
+                            *ptr,
+                            SimAlloc {
+                                data: vec![0; *bytes],
+                                free_pending: false,
+                                graph_owned: false,
+                            },
+                        );
+                        true
+                    }
+                };
+                if counted {
+                    st.counters.live_alloc_bytes += *bytes as u64;
+                    st.counters.live_allocs += 1;
                 }
             }
             Effect::Kernel { k, args } => {
@@ -1401,13 +1458,26 @@ impl Driver for SimDriver {
         }
         let p = st.next_ptr;
         st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
+        let capturing = st.streams[&stream.0].capture.is_some();
         st.allocs.insert(
             p,
             SimAlloc {
                 data: vec![0; bytes],
                 free_pending: false,
+                graph_owned: capturing,
             },
         );
+        if capturing {
+            // An allocation node: the graph owns the memory (see Effect::GraphAlloc).
+            self.enqueue(
+                &mut st,
+                stream,
+                OpKind::Effect(Effect::GraphAlloc { ptr: p, bytes }),
+                0,
+                "cuMemAllocAsync",
+            )?;
+            return Ok(DevicePtr(p));
+        }
         st.counters.live_alloc_bytes += bytes as u64;
         st.counters.live_allocs += 1;
         let s = st.streams.get_mut(&stream.0).unwrap();
@@ -1448,7 +1518,10 @@ impl Driver for SimDriver {
         if ptr.is_null() {
             return Ok(());
         }
+        let capturing = st.streams[&stream.0].capture.is_some();
         match st.allocs.get_mut(&ptr.0) {
+            // A free node of a graph's own allocation: the reservation stays for the graph.
+            Some(a) if a.graph_owned && capturing => {}
             Some(a) if !a.free_pending => a.free_pending = true,
             Some(_) => {
                 Self::note_misuse(&mut st, format!("double free of {:#x}", ptr.0));
@@ -1753,9 +1826,17 @@ impl Driver for SimDriver {
 
     fn graph_destroy(&self, graph: Graph) -> Result<()> {
         let mut st = self.enter("cuGraphDestroy", None, None, None)?;
-        if st.graphs.remove(&graph.0).is_none() {
+        let Some(ops) = st.graphs.remove(&graph.0) else {
             Self::note_misuse(&mut st, format!("destroy of unknown graph {:#x}", graph.0));
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphDestroy");
+        };
+        // Reservations of allocation nodes that never ran go with the graph.
+        for (e, _) in ops.iter() {
+            if let Effect::GraphAlloc { ptr, .. } = e {
+                if st.allocs.get(ptr).is_some_and(|a| a.graph_owned) {
+                    st.allocs.remove(ptr);
+                }
+            }
         }
         st.counters.live_graphs -= 1;
         Ok(())

@@ -383,6 +383,7 @@ impl Model {
             }
             Op::EndCapture { guard, launch } => {
                 if let Some(k) = pick(&self.guards, guard) {
+                    self.drop_captured_buffers(k);
                     let (g, s) = self.guards.swap_remove(k);
                     if let Ok(graph) = g.end() {
                         if launch {
@@ -401,6 +402,7 @@ impl Model {
             }
             Op::DropGuard(k) => {
                 if let Some(k) = pick(&self.guards, k) {
+                    self.drop_captured_buffers(k);
                     let (g, s) = self.guards.swap_remove(k);
                     drop(g);
                     if s.is_current() {
@@ -418,6 +420,18 @@ impl Model {
         }
         self.sync_holdings();
         self.check(acquired);
+    }
+
+    /// Buffers allocated inside guard `k`'s capture are dropped before it ends, so that their
+    /// frees are nodes of the graph (the documented pattern; freeing graph memory before the graph
+    /// ever ran is a driver error).
+    fn drop_captured_buffers(&mut self, k: usize) {
+        let raw = self.guards[k].1.raw().0;
+        let (mine, rest): (Vec<Buf>, Vec<Buf>) = std::mem::take(&mut self.bufs)
+            .into_iter()
+            .partition(|b| b.in_capture && b.b.last_use().0 .0 == raw);
+        self.bufs = rest;
+        drop(mine);
     }
 
     /// A stream just handed to an owner has no pending work.
@@ -460,6 +474,9 @@ impl Model {
     /// Drops everything; every stream must be destroyed and every byte freed exactly once.
     pub fn teardown(mut self) {
         self.sim.clear_faults();
+        for k in 0..self.guards.len() {
+            self.drop_captured_buffers(k);
+        }
         self.guards.clear();
         self.bufs.clear();
         self.owners.clear();
