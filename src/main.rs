@@ -11,27 +11,9 @@ use std::process::ExitCode;
 
 mod demo;
 
-fn usage() -> &'static str {
-    "usage: cuda-stream-pool [--driver auto|cuda|sim] [--tasks N] [--threads LIST] \
-     [--strategies LIST] [--workloads LIST] [--json]\n\
-     strategies: pool,floor,fresh,deferred (default: all); workloads: short,prodcons; \
-     threads: e.g. 1,16 (default: 1 and the machine's cores)"
-}
-
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let opts = match demo::Options::parse(&args) {
-        Ok(o) => o,
-        Err(msg) => {
-            eprintln!("{msg}\n{}", usage());
-            return ExitCode::from(2);
-        }
-    };
-    if opts.help {
-        println!("{}", usage());
-        return ExitCode::SUCCESS;
-    }
-    let (drv, fallback) = match driver::load(opts.driver) {
+    let opts = <demo::Options as clap::Parser>::parse();
+    let (drv, fallback) = match driver::load(opts.choice()) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("error: cannot use the CUDA driver: {e}");
@@ -70,7 +52,7 @@ fn run(
     if simulated {
         say("driver: simulated (no GPU used; latencies modelled on an H200)".into());
         if let Some(why) = &fallback {
-            if opts.driver == Choice::Auto {
+            if opts.choice() == Choice::Auto {
                 say(format!("        (real driver unavailable: {why})"));
             }
         }

@@ -1,0 +1,88 @@
+//! cudarc and cuda-stream-pool together: the pool adopts cudarc's context, cudarc launches its
+//! kernels on pooled streams, and buffers of both crates are ordered across streams.
+//!
+//!   cargo run --release --features cudarc --example cudarc_interop     # needs a GPU
+//!
+//! Ownership rules shown here:
+//! * the context belongs to cudarc (`CudaContext`); `Context::adopt` never releases it, so the
+//!   `CudaContext` must outlive everything of this crate made from it;
+//! * a pooled stream belongs to its owner: the cudarc wrapper from `wrap_borrowed_stream` (which
+//!   never destroys the stream) and every cudarc slice used on it must be dropped before the owner;
+//! * cudarc orders its own slices across its streams with events; between the crates, order with
+//!   `StreamRef::wait_for` (or `DeviceBuffer::use_on` for this crate's buffers).
+
+use cuda_stream_pool::driver::{self, Choice};
+use cuda_stream_pool::{Context, DeviceBuffer};
+use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+
+pub fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let cu = CudaContext::new(0)?;
+    let (drv, _) = driver::load(Choice::Cuda)?;
+    let ctx = Context::adopt(drv, driver::Context(cu.cu_ctx() as usize as u64))?;
+    let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
+    let module = cu.load_module(cudarc::nvrtc::Ptx::from_src(src))?;
+    let (add_one, sum) = (
+        module.load_function("csp_add_one_f32")?,
+        module.load_function("csp_sum_f32")?,
+    );
+    let n = 1 << 16;
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut checked = 0;
+    for _ in 0..100 {
+        let (a, b) = (ctx.owner(), ctx.owner());
+        let (sa, sb) = (a.stream()?, b.stream()?);
+        {
+            // SAFETY: the pooled streams are valid streams of cudarc's context and outlive the
+            // wrappers (dropped at the end of this block, before the owners).
+            let (ca, cb) = unsafe {
+                (
+                    cu.wrap_borrowed_stream(sa.raw().0 as usize as cudarc::driver::sys::CUstream),
+                    cu.wrap_borrowed_stream(sb.raw().0 as usize as cudarc::driver::sys::CUstream),
+                )
+            };
+            // cudarc's buffer, written by cudarc's launch on owner a's stream.
+            let mut x = ca.alloc_zeros::<f32>(n)?;
+            let n32 = n as u32;
+            // SAFETY: csp_add_one_f32(float *x, unsigned n) with a slice of n floats.
+            unsafe {
+                ca.launch_builder(&add_one)
+                    .arg(&mut x)
+                    .arg(&n32)
+                    .launch(cfg)?
+            };
+            // This crate's buffer on owner b's stream, ordered after a's work on the GPU.
+            let out = DeviceBuffer::<f32>::zeroed(&sb, 1)?;
+            sb.wait_for(&sa)?;
+            let out_ptr = out.as_raw().0;
+            // SAFETY: csp_sum_f32(const float *x, float *out, unsigned n); `out` is this crate's
+            // allocation of one float, ordered on sb (allocated there).
+            unsafe {
+                cb.launch_builder(&sum)
+                    .arg(&x)
+                    .arg(&out_ptr)
+                    .arg(&n32)
+                    .launch(cfg)?
+            };
+            assert_eq!(out.to_vec(&sb)?[0], n as f32);
+            // cudarc's slice is freed on its stream (a's), which a still owns.
+            drop(x);
+            checked += 1;
+        }
+    }
+    let st = ctx.stats();
+    println!(
+        "ok: {checked} sums across cudarc and cuda-stream-pool buffers on pooled streams; \
+         streams created {}, hand-overs {}",
+        st.created, st.hits
+    );
+    Ok(())
+}
+
+#[allow(dead_code)]
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    run()
+}
