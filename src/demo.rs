@@ -61,6 +61,12 @@ pub struct Options {
     /// Seconds after which the `deferred` strategy stops (reported as tasks done in that time).
     #[arg(long, default_value_t = 10.0)]
     pub deferred_cap: f64,
+    /// Runs of each row, taking turns between strategies; the median run is reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
+    /// Also write the rows as JSON lines to this file.
+    #[arg(long)]
+    pub json_out: Option<std::path::PathBuf>,
 }
 
 impl Options {
@@ -98,6 +104,12 @@ struct Row {
     peak_mem: u64,
     final_sync: f64,
     capped: bool,
+}
+
+impl Row {
+    fn per_owner(&self) -> f64 {
+        self.wall * 1e6 / self.tasks.max(1) as f64
+    }
 }
 
 /// Counts streams created outside the pool (the non-pool strategies).
@@ -355,7 +367,13 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
         None
     };
     let progress = !opts.json;
-    let mut rows = Vec::new();
+    let mut json_out = match &opts.json_out {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| Error::InvalidArgument(format!("--json-out {}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
     if !opts.json {
         println!(
             "\n{:<9} {:<9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9}",
@@ -373,32 +391,47 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
     }
     for w in &opts.workloads {
         for t in opts.thread_counts() {
-            let mut floor_wall = None;
-            // The floor first, so that every other row has its ratio.
+            // The floor first, so that every other row has its ratio; with --repeat, the
+            // strategies take turns and each reports its median run.
             let mut order: Vec<&String> = strategies.iter().filter(|s| *s == "floor").collect();
             order.extend(strategies.iter().filter(|s| *s != "floor"));
-            for s in order {
-                let r = run_one(
-                    ctx,
-                    &k,
-                    cu.as_ref(),
-                    w,
-                    s,
-                    t,
-                    opts.tasks as usize,
-                    opts.deferred_cap,
-                    progress,
-                )?;
-                let per = r.wall * 1e6 / r.tasks.max(1) as f64;
-                if r.strategy == "floor" {
-                    floor_wall = Some(per);
+            let mut runs: Vec<Vec<Row>> = order.iter().map(|_| Vec::new()).collect();
+            for _ in 0..opts.repeat {
+                for (i, s) in order.iter().enumerate() {
+                    runs[i].push(run_one(
+                        ctx,
+                        &k,
+                        cu.as_ref(),
+                        w,
+                        s,
+                        t,
+                        opts.tasks as usize,
+                        opts.deferred_cap,
+                        progress,
+                    )?);
                 }
-                let ratio = floor_wall.map_or(f64::NAN, |f| per / f);
+            }
+            let mut floor_per = None;
+            for mut group in runs {
+                group.sort_by(|a, b| a.per_owner().total_cmp(&b.per_owner()));
+                let n = group.len();
+                let r = group.swap_remove(n / 2);
+                let per = r.per_owner();
+                if r.strategy == "floor" {
+                    floor_per = Some(per);
+                }
+                let ratio = floor_per.map_or(f64::NAN, |f| per / f);
+                let line = format!(
+                    "{{\"workload\":\"{}\",\"strategy\":\"{}\",\"threads\":{},\"tasks\":{},\"wall_s\":{:.4},\"ratio_to_floor\":{:.3},\"us_per_owner\":{:.2},\"peak_streams\":{},\"peak_mem_bytes\":{},\"final_sync_s\":{:.5},\"capped\":{},\"repeats\":{},\"driver\":\"{}\"}}",
+                    r.workload, r.strategy, r.threads, r.tasks, r.wall, ratio, per, r.peak_streams, r.peak_mem, r.final_sync, r.capped, n, ctx.driver().kind()
+                );
+                if let Some(f) = json_out.as_mut() {
+                    use std::io::Write as _;
+                    writeln!(f, "{line}")
+                        .map_err(|e| Error::InvalidArgument(format!("--json-out: {e}")))?;
+                }
                 if opts.json {
-                    println!(
-                        "{{\"workload\":\"{}\",\"strategy\":\"{}\",\"threads\":{},\"tasks\":{},\"wall_s\":{:.4},\"ratio_to_floor\":{:.3},\"us_per_owner\":{:.2},\"peak_streams\":{},\"peak_mem_bytes\":{},\"final_sync_s\":{:.5},\"capped\":{},\"driver\":\"{}\"}}",
-                        r.workload, r.strategy, r.threads, r.tasks, r.wall, ratio, per, r.peak_streams, r.peak_mem, r.final_sync, r.capped, ctx.driver().kind()
-                    );
+                    println!("{line}");
                 } else {
                     println!(
                         "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8.2} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
@@ -419,7 +452,6 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
                         }
                     );
                 }
-                rows.push(r);
             }
         }
     }
