@@ -74,7 +74,7 @@ const COLORS: [&str; 6] = [
 
 fn time_per_owner(json: &str) -> String {
     let rows: Vec<&str> = json.lines().filter(|l| l.starts_with('{')).collect();
-    let strategies = ["floor", "pool", "pool-tls", "fresh", "deferred"];
+    let strategies = ["floor", "pool", "pool-tls", "fresh", "deferred", "cudarc"];
     let mut groups: Vec<(String, String)> = Vec::new();
     for r in &rows {
         let g = (
@@ -131,7 +131,7 @@ fn time_per_owner(json: &str) -> String {
         );
     }
     for (si, st) in strategies.iter().enumerate() {
-        let x = left + si as f64 * 150.0;
+        let x = left + si as f64 * 130.0;
         let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"{}\">{st}</text>", h - 40.0, COLORS[si], x + 16.0, h - 30.0);
     }
     s.push_str("</svg>\n");

@@ -310,6 +310,9 @@ fn run_one(
     }
     let wall = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    if std::env::var_os("CSP_DEMO_STATS").is_some() {
+        eprintln!("{workload} {strategy} x{threads}: {:?}", ctx.stats());
+    }
     pool_peak.fetch_max(ctx.live_streams(), Ordering::Relaxed);
     let ts = Instant::now();
     ctx.synchronize()?;
