@@ -21,9 +21,27 @@ use crate::stream::StreamRef;
 
 /// Sets the calling thread's capture mode (`cuThreadExchangeStreamCaptureMode`) and restores the
 /// previous mode when dropped.
+///
+/// ```
+/// use cuda_stream_pool::{driver::{self, CaptureMode}, CaptureModeGuard};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// {
+///     let g = CaptureModeGuard::new(&*drv, CaptureMode::Relaxed).unwrap();
+///     assert_eq!(g.previous(), CaptureMode::Global);
+/// }
+/// assert_eq!(drv.thread_exchange_capture_mode(CaptureMode::Global).unwrap(), CaptureMode::Global);
+/// ```
 pub struct CaptureModeGuard<'d> {
     driver: &'d dyn Driver,
     previous: CaptureMode,
+}
+
+impl std::fmt::Debug for CaptureModeGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureModeGuard")
+            .field("previous", &self.previous)
+            .finish()
+    }
 }
 
 impl<'d> CaptureModeGuard<'d> {
@@ -45,7 +63,20 @@ impl Drop for CaptureModeGuard<'_> {
     }
 }
 
-/// An active capture of a stream; see the [module docs](self).
+/// An active capture of a stream (RAII around `cuStreamBeginCapture` / `cuStreamEndCapture`).
+///
+/// * Made by [`StreamRef::begin_capture`] (thread-local mode) or
+///   [`StreamRef::begin_capture_with`]. If the begin fails (for instance a nested begin on a
+///   stream that is already capturing, which the driver rejects with `CUDA_ERROR_ILLEGAL_STATE`),
+///   the error is returned and the capture in progress is untouched: no guard exists that could
+///   end it.
+/// * [`CaptureGuard::end`] returns the [`Graph`]; an invalidated capture reports its error there.
+/// * Dropped without `end` (early return, `?`, panic), the guard ends the capture and destroys the
+///   partial graph, leaving the stream usable.
+///
+/// The default mode is thread-local: calls that are unsafe during capture are rejected on the
+/// capturing thread (where they are bugs), while other threads, which may be churning owners
+/// through the pool, are not affected.
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -86,6 +117,15 @@ impl StreamRef {
             stream: self.clone(),
             done: false,
         })
+    }
+}
+
+impl std::fmt::Debug for CaptureGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureGuard")
+            .field("stream", &self.stream)
+            .field("done", &self.done)
+            .finish()
     }
 }
 
@@ -156,7 +196,7 @@ impl Drop for CaptureGuard {
     }
 }
 
-/// A captured graph; destroyed when dropped.
+/// A captured graph; destroyed when dropped. See [`CaptureGuard`] for an example.
 pub struct Graph {
     ctx: Context,
     raw: driver::Graph,
@@ -197,6 +237,21 @@ impl Drop for Graph {
 }
 
 /// An instantiated graph; destroyed when dropped.
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// let mut x = DeviceBuffer::<u32>::zeroed(&s, 8).unwrap();
+/// let g = s.begin_capture().unwrap();
+/// x.fill(&s, 3).unwrap();
+/// let exec = g.end().unwrap().instantiate().unwrap();
+/// exec.upload(&s).unwrap();
+/// exec.launch(&s).unwrap();
+/// assert_eq!(x.to_vec(&s).unwrap(), vec![3; 8]);
+/// ```
 pub struct GraphExec {
     ctx: Context,
     raw: driver::GraphExec,

@@ -10,6 +10,17 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// A stream priority, per owner. Lower numbers are higher priorities (CUDA's convention); the
 /// valid numbers are the context's [`PriorityRange`].
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// use cuda_stream_pool::Priority;
+/// let r = ctx.priority_range();                 // 0 ..= -5 on an H200
+/// assert_eq!(r.resolve(Priority::High).unwrap(), r.greatest);
+/// assert_eq!(r.resolve(Priority::Value(-2)).unwrap(), -2);
+/// assert!(r.resolve(Priority::Value(-9)).is_err());    // the driver would clamp it silently
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Priority {
     /// The least priority of the range (0 on the H200).
@@ -24,6 +35,14 @@ pub enum Priority {
 }
 
 /// A context's stream priorities: `least` (e.g. 0) down to `greatest` (e.g. -5).
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let r = ctx.priority_range();
+/// assert!(r.contains(r.least) && r.contains(r.greatest) && !r.contains(r.least + 1));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PriorityRange {
     /// The least priority (the largest number).
@@ -118,6 +137,16 @@ impl Context {
     /// Adopts a context that another crate created (e.g. cudarc's `CudaContext::cu_ctx()`). The
     /// context must stay alive as long as this state and everything made from it; this state
     /// never destroys or releases it.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// drv.init().unwrap();
+    /// let raw = drv.primary_ctx_retain(drv.device_get(0).unwrap()).unwrap(); // another crate's
+    /// let ctx = Context::adopt(drv.clone(), raw).unwrap();
+    /// assert_eq!(ctx.raw(), raw);
+    /// assert!(Context::adopt(drv, driver::Context::NULL).is_err());
+    /// ```
     pub fn adopt(driver: Arc<dyn Driver>, raw: driver::Context) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
@@ -221,6 +250,18 @@ impl Context {
     }
 
     /// Counters summed over every pool of this context.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// for _ in 0..10 {
+    ///     let owner = ctx.owner();
+    ///     owner.stream().unwrap().synchronize().unwrap();
+    /// }
+    /// let st = ctx.stats();
+    /// assert_eq!((st.created, st.hits, st.idle), (1, 9, 1));
+    /// ```
     pub fn stats(&self) -> PoolStats {
         self.inner
             .all_pools()
@@ -262,6 +303,15 @@ impl Context {
 
     /// Runs `f` with the calling thread's implicit owner of this context (created on first use,
     /// retired when the thread exits).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let s = ctx.stream().unwrap();                  // the thread's stream
+    /// let same = ctx.with_thread_owner(|o| o.stream().unwrap()).unwrap();
+    /// assert!(s.same_stream(&same));
+    /// ```
     pub fn with_thread_owner<R>(&self, f: impl FnOnce(&Owner) -> R) -> Result<R> {
         crate::owner::with_thread_owner(self, f)
     }

@@ -6,6 +6,12 @@ pub use cuda_stream_pool_sys::{LoadError, MissingSymbol};
 
 /// A driver result code (`CUresult`), kept as the raw number so that codes this crate does not
 /// name still round-trip.
+///
+/// ```
+/// use cuda_stream_pool::ErrorCode;
+/// assert_eq!(ErrorCode::ERROR_ILLEGAL_STATE, ErrorCode(401));
+/// assert_eq!(ErrorCode(401).known_name(), Some("CUDA_ERROR_ILLEGAL_STATE"));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ErrorCode(pub u32);
 
@@ -68,6 +74,23 @@ codes! {
 
 /// Everything that can go wrong in this crate. No public function panics on bad input or on a
 /// driver failure: it returns one of these.
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, Error, ErrorCode, Priority};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// let _capture = s.begin_capture().unwrap();
+/// match s.begin_capture() {
+///     Err(e @ Error::Driver { .. }) => {
+///         assert_eq!(e.code(), Some(ErrorCode::ERROR_ILLEGAL_STATE));
+///         assert_eq!(e.to_string(), "cuStreamBeginCapture_v2 failed: CUDA_ERROR_ILLEGAL_STATE (401)");
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// assert!(matches!(owner.set_priority(Priority::High), Err(Error::CaptureInProgress(_))));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Error {

@@ -75,7 +75,7 @@
 //! ([`driver::SimDriver`]), a model of streams, events, capture and stream-ordered memory with a
 //! manual clock, a call log, misuse detection and fault injection, on which the crate's tests,
 //! property tests and fuzzer run.
-#![warn(missing_docs)]
+#![warn(missing_docs, missing_debug_implementations)]
 
 mod capture;
 mod context;

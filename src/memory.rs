@@ -43,7 +43,20 @@ struct LastUse {
     gen: u64,
 }
 
-/// A typed device allocation from `cuMemAllocAsync`; see the [module docs](self).
+/// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
+/// its last use.
+///
+/// * [`DeviceBuffer::use_on`] another stream: when the last stream's generation is unchanged, the
+///   new stream is ordered after the last use on the GPU (event record + wait, no CPU wait); when
+///   it changed (the stream was handed to a new owner, which only happens once its work had
+///   completed), nothing waits: above all, nothing waits on the new owner's work.
+/// * Dropped: freed on the last stream when its generation is unchanged, else on the context's
+///   disposal stream (the recycled stream's new owner may be capturing it). The generation check
+///   and the enqueue happen under the stream's lock, so a hand-over cannot slip in between.
+/// * Dropped while a [`crate::CaptureGuard`] captures its last stream: the free never enters the
+///   capture; it is enqueued when the capture ends.
+/// * Allocated inside a capture: the graph owns the allocation; drop it inside the same capture
+///   (its free becomes a graph node, so every launch allocates and frees it).
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};

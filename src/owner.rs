@@ -245,6 +245,15 @@ pub(crate) fn with_thread_owner<R>(ctx: &Context, f: impl FnOnce(&Owner) -> R) -
 }
 
 /// Retires the calling thread's implicit owner of `ctx` now, instead of at thread exit.
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let s = ctx.stream().unwrap();
+/// cuda_stream_pool::end_thread_owner(&ctx);
+/// assert!(!s.is_current());
+/// ```
 pub fn end_thread_owner(ctx: &Context) {
     let id = ctx.inner.id;
     let taken = IMPLICIT

@@ -140,7 +140,18 @@ impl Slot {
     }
 }
 
-/// Counters of one pool or of a whole context.
+/// Counters of one pool or of a whole context ([`crate::Context::stats`]).
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let held = ctx.owner();
+/// held.stream().unwrap();
+/// let st = ctx.stats();
+/// assert_eq!(st.live, st.in_use + st.idle + st.retired_busy);
+/// assert_eq!(st.in_use, 1);
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Streams alive: held by owners plus retired.

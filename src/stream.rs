@@ -14,6 +14,17 @@ use std::sync::Arc;
 /// [`Error::StaleStream`] after that (check with [`StreamRef::is_current`]). The raw handle from
 /// [`StreamRef::raw`] cannot be checked; do not use it beyond the owner's life. Work that must
 /// outlive its owner belongs on an [`OwnedStream`].
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// s.synchronize().unwrap();
+/// drop(owner);
+/// assert_eq!(s.synchronize(), Err(cuda_stream_pool::Error::StaleStream));
+/// ```
 #[derive(Clone)]
 pub struct StreamRef {
     pub(crate) ctx: Context,
@@ -90,6 +101,15 @@ impl StreamRef {
 
     /// Orders later work on this stream after the work enqueued so far on `other` (event record
     /// + wait, on the GPU).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    /// sb.wait_for(&sa).unwrap();                      // sb's later work runs after sa's
+    /// ```
     pub fn wait_for(&self, other: &StreamRef) -> Result<()> {
         self.check()?;
         other.check()?;

@@ -6,9 +6,9 @@
 //!
 //! * a missing library is a [`LoadError`] that lists every path that was tried;
 //! * a symbol missing from an older driver is **not** an error at load time: each entry point is
-//!   resolved when the library opens and kept as a `Result`; [`Library::symbol_error`] turns a
-//!   missing one into a message naming the symbol and the CUDA version that introduced it, when the
-//!   caller first needs it. Nothing here panics.
+//!   resolved when the library opens and kept as a `Result` in the table ([`Library::table`]);
+//!   the caller turns a missing one into a [`MissingSymbol`] (with [`introduced_in`]) naming the
+//!   symbol and the CUDA version that introduced it, when it first needs it. Nothing here panics.
 //!
 //! This crate is the only place, besides the real driver in `cuda-stream-pool`, where `unsafe`
 //! code calls into the driver.

@@ -341,6 +341,14 @@ pub enum Choice {
 
 /// Opens a driver as `choice` asks; with [`Choice::Auto`], the error that made it fall back to the
 /// simulation is returned beside it.
+///
+/// ```
+/// use cuda_stream_pool::driver::{self, Choice};
+/// let (drv, why_not_cuda) = driver::load(Choice::Auto).unwrap();
+/// if drv.kind() == "sim" {
+///     println!("no GPU: {}", why_not_cuda.unwrap());
+/// }
+/// ```
 pub fn load(choice: Choice) -> Result<(Arc<dyn Driver>, Option<crate::Error>)> {
     let real = || -> Result<Arc<dyn Driver>> {
         let d = CudaDriver::open()?;

@@ -333,6 +333,24 @@ thread_local! {
 static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
 
 /// The simulated driver. Thread-safe; cheap to create.
+///
+/// ```
+/// use cuda_stream_pool::driver::{Driver, SimDriver};
+/// use cuda_stream_pool::{Context, ErrorCode};
+/// use std::sync::Arc;
+/// let sim = Arc::new(SimDriver::new());
+/// let ctx = Context::primary(sim.clone(), 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// sim.enqueue_work(s.raw(), 1_000).unwrap();       // 1 µs of GPU work
+/// assert!(!s.query().unwrap());
+/// sim.advance(1_000);                               // the test moves the clock
+/// assert!(s.query().unwrap());
+/// sim.fail_calls("cuStreamQuery", ErrorCode::ERROR_UNKNOWN, 1);   // fault injection
+/// assert!(s.query().is_err());
+/// assert!(sim.calls().iter().any(|c| c.name == "cuStreamQuery" && !c.ok));
+/// assert!(sim.misuse().is_empty());
+/// ```
 pub struct SimDriver {
     id: u64,
     cfg: SimConfig,
