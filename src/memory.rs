@@ -199,70 +199,70 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         Ok(())
     }
 
-    fn copy_bytes_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
+    /// Enqueues a host-to-device copy of `data` (bytes of this buffer) on `stream`.
+    ///
+    /// # Safety
+    /// `data` must stay valid and unmodified until the copy has completed.
+    unsafe fn enqueue_copy_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
         self.use_on(stream)?;
         // Async copies fail with CUDA_ERROR_INVALID_VALUE unless the stream's context is current
         // on the calling thread (measured on two H200s).
         self.ctx.inner.bind()?;
-        // SAFETY: `data` outlives the call and the stream is synchronized before returning, so
-        // the copy has finished reading it; the device range is this allocation.
+        // SAFETY: the caller keeps `data` valid until the copy completes; the device range is
+        // this allocation (callers check the length).
         unsafe {
             self.ctx.inner.driver.memcpy_htod_async(
                 self.ptr,
                 data.as_ptr(),
                 data.len(),
                 stream.slot.raw,
-            )?;
+            )
         }
-        self.ctx.inner.driver.stream_synchronize(stream.slot.raw)
+    }
+
+    /// Waits for `stream` after a blocking copy, naming the capture when that is the problem.
+    fn finish_copy(&self, stream: &StreamRef) -> Result<()> {
+        match self.ctx.inner.driver.stream_synchronize(stream.slot.raw) {
+            Err(e) if e.code() == Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED) => {
+                Err(Error::CaptureInProgress(
+                    "a blocking copy cannot run while its stream is capturing".into(),
+                ))
+            }
+            r => r,
+        }
+    }
+
+    fn check_len(&self, n: usize, what: &str) -> Result<()> {
+        if n == self.len {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{what}: {n} host elements for a buffer of {}",
+                self.len
+            )))
+        }
+    }
+
+    fn copy_bytes_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
+        // SAFETY: `data` outlives the call and the stream is synchronized before returning.
+        unsafe { self.enqueue_copy_in(stream, data)? };
+        self.finish_copy(stream)
     }
 
     /// Copies `src` into the buffer on `stream`; returns once the copy has completed.
     pub fn copy_from_host(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
-        if src.len() != self.len {
-            return Err(Error::invalid(format!(
-                "copy of {} elements into a buffer of {}",
-                src.len(),
-                self.len
-            )));
-        }
-        // SAFETY: T is DeviceCopy (plain data without padding), so its bytes may be read as u8.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
-        };
-        self.copy_bytes_in(stream, bytes)
+        self.check_len(src.len(), "copy_from_host")?;
+        // SAFETY: `src` outlives the call, which returns only after the copy has completed.
+        unsafe { self.copy_from_host_async(stream, src)? };
+        self.finish_copy(stream)
     }
 
     /// Copies the buffer into `dst` on `stream`; returns once the copy has completed.
     pub fn copy_to_host(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
-        if dst.len() != self.len {
-            return Err(Error::invalid(format!(
-                "copy of a buffer of {} elements into {}",
-                self.len,
-                dst.len()
-            )));
-        }
-        self.use_on(stream)?;
-        self.ctx.inner.bind()?;
         // SAFETY: `dst` is exclusively borrowed until we return, and we return only after the
-        // stream (and so the copy) has completed; any bytes are a valid T (DeviceCopy).
-        unsafe {
-            self.ctx.inner.driver.memcpy_dtoh_async(
-                dst.as_mut_ptr() as *mut u8,
-                self.ptr,
-                std::mem::size_of_val(dst),
-                stream.slot.raw,
-            )?;
-        }
-        let r = self.ctx.inner.driver.stream_synchronize(stream.slot.raw);
-        if let Err(e) = &r {
-            if e.code() == Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED) {
-                return Err(Error::CaptureInProgress(
-                    "a blocking copy cannot run while its stream is capturing".into(),
-                ));
-            }
-        }
-        r
+        // stream (and so the copy) has completed.
+        unsafe { self.copy_to_host_async(stream, dst)? };
+        self.finish_copy(stream)
     }
 
     /// Enqueues a copy of `src` into the buffer on `stream` and returns without waiting.
@@ -272,24 +272,13 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// until `stream.synchronize()` returns). For pageable memory the driver reads `src` before
     /// returning; for page-locked memory it reads it later.
     pub unsafe fn copy_from_host_async(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
-        if src.len() != self.len {
-            return Err(Error::invalid(format!(
-                "copy of {} elements into a buffer of {}",
-                src.len(),
-                self.len
-            )));
-        }
-        self.use_on(stream)?;
-        self.ctx.inner.bind()?;
-        // SAFETY: the caller keeps `src` valid until the copy completes; the device range is
-        // this allocation, of the same length.
+        self.check_len(src.len(), "copy_from_host")?;
+        // SAFETY: T is DeviceCopy (plain data without padding), so its bytes may be read as u8;
+        // the caller keeps `src` valid until the copy completes.
         unsafe {
-            self.ctx.inner.driver.memcpy_htod_async(
-                self.ptr,
-                src.as_ptr() as *const u8,
-                std::mem::size_of_val(src),
-                stream.slot.raw,
-            )
+            let bytes =
+                std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src));
+            self.enqueue_copy_in(stream, bytes)
         }
     }
 
@@ -299,13 +288,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// `dst` must stay valid, and must be neither read nor written by the host, until the copy has
     /// completed on the GPU (for example until `stream.synchronize()` returns).
     pub unsafe fn copy_to_host_async(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
-        if dst.len() != self.len {
-            return Err(Error::invalid(format!(
-                "copy of a buffer of {} elements into {}",
-                self.len,
-                dst.len()
-            )));
-        }
+        self.check_len(dst.len(), "copy_to_host")?;
         self.use_on(stream)?;
         self.ctx.inner.bind()?;
         // SAFETY: the caller keeps `dst` valid and untouched until the copy completes; any bytes

@@ -223,26 +223,14 @@ fn synchronize_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
 fn relaxed_query_during_global_capture(d: &Arc<dyn Driver>) {
     let e = Env::new(d);
     let (a, b) = (e.stream(), e.stream());
-    let ctx = e.ctx;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
-    let d2 = d.clone();
-    let t = std::thread::spawn(move || {
-        d2.ctx_set_current(ctx).unwrap();
-        d2.stream_begin_capture(a, CaptureMode::Global).unwrap();
-        tx.send(()).unwrap();
-        rx2.recv().unwrap();
-        d2.stream_end_capture(a)
-    });
-    rx.recv().unwrap();
+    let capture = common::ForeignCapture::new(d, e.ctx, a);
     let old = d
         .thread_exchange_capture_mode(CaptureMode::Relaxed)
         .unwrap();
     assert!(d.stream_query(b).unwrap());
     d.thread_exchange_capture_mode(old).unwrap();
     assert_eq!(d.stream_is_capturing(a).unwrap(), CaptureStatus::Active);
-    tx2.send(()).unwrap();
-    let g = t.join().unwrap().expect("capture stays valid");
+    let g = capture.end().expect("capture stays valid");
     d.graph_destroy(g).unwrap();
     d.stream_destroy(a).unwrap();
     d.stream_destroy(b).unwrap();

@@ -22,22 +22,10 @@ fn code<T: std::fmt::Debug>(r: cuda_stream_pool::Result<T>) -> u32 {
 fn global_query_during_global_capture(d: &Arc<dyn Driver>) {
     let e = Env::new(d);
     let (a, b) = (e.stream(), e.stream());
-    let ctx = e.ctx;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
-    let d2 = d.clone();
-    let t = std::thread::spawn(move || {
-        d2.ctx_set_current(ctx).unwrap();
-        d2.stream_begin_capture(a, CaptureMode::Global).unwrap();
-        tx.send(()).unwrap();
-        rx2.recv().unwrap();
-        d2.stream_end_capture(a).map(|g| d2.graph_destroy(g))
-    });
-    rx.recv().unwrap();
+    let capture = common::ForeignCapture::new(d, e.ctx, a);
     let q = d.stream_query(b);
     let status = d.stream_is_capturing(a).unwrap();
-    tx2.send(()).unwrap();
-    let ended = t.join().unwrap();
+    let ended = capture.end().map(|g| d.graph_destroy(g));
     eprintln!("global query during global capture: {q:?}, status {status:?}, end {ended:?}");
     assert_eq!(code(q), 900);
     assert_eq!(status, CaptureStatus::Invalidated);

@@ -57,6 +57,36 @@ impl Drop for Env {
     }
 }
 
+/// A capture in global mode running on another thread: begun when `new` returns, ended (and
+/// its result returned) by `end`.
+pub struct ForeignCapture {
+    go: mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<cuda_stream_pool::Result<driver::Graph>>,
+}
+
+impl ForeignCapture {
+    pub fn new(d: &Arc<dyn Driver>, ctx: driver::Context, s: Stream) -> ForeignCapture {
+        let (began, wait_begin) = mpsc::channel();
+        let (go, wait_go) = mpsc::channel::<()>();
+        let d = d.clone();
+        let thread = std::thread::spawn(move || {
+            d.ctx_set_current(ctx).unwrap();
+            d.stream_begin_capture(s, driver::CaptureMode::Global)
+                .unwrap();
+            began.send(()).unwrap();
+            wait_go.recv().unwrap();
+            d.stream_end_capture(s)
+        });
+        wait_begin.recv().unwrap();
+        ForeignCapture { go, thread }
+    }
+
+    pub fn end(self) -> cuda_stream_pool::Result<driver::Graph> {
+        self.go.send(()).unwrap();
+        self.thread.join().unwrap()
+    }
+}
+
 /// Holds a stream busy with a host function that waits until the gate is opened (or 30 s pass,
 /// so that a bug turns into a failure rather than a hang).
 pub struct Gate {
