@@ -263,7 +263,8 @@ impl Pool {
     }
 
     /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
-    /// generation; creates one when none qualifies. The caller has made the context current.
+    /// generation; creates one (with the context made current) when none qualifies. Searches the
+    /// calling thread's home shard first, then the others; never waits for a busy stream.
     pub(crate) fn acquire(&self, ctx: &CtxInner) -> Result<(Arc<Slot>, u64)> {
         let driver = &*ctx.driver;
         if self.retired.load(Ordering::Acquire) > 0 {
