@@ -251,8 +251,8 @@ impl Pool {
         }
     }
 
-    fn home(&self) -> &ShardData {
-        &self.shards[home_index() & (self.shards.len() - 1)]
+    fn home(&self, home: usize) -> &ShardData {
+        &self.shards[home & (self.shards.len() - 1)]
     }
 
     fn shard(&self, i: usize) -> MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>> {
@@ -267,10 +267,10 @@ impl Pool {
     /// calling thread's home shard first, then the others; never waits for a busy stream.
     pub(crate) fn acquire(&self, ctx: &CtxInner) -> Result<(Arc<Slot>, u64)> {
         let driver = &*ctx.driver;
+        let home = home_index();
         if self.retired.load(Ordering::Acquire) > 0 {
             // Queries on behalf of the pool must never invalidate another thread's capture.
             let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
-            let home = home_index();
             let mut found = None;
             for i in 0..self.shards.len() {
                 found = self.take_from(driver, home.wrapping_add(i));
@@ -282,14 +282,14 @@ impl Pool {
                 self.trim_excess(driver);
             }
             if let Some(found) = found {
-                self.home().hits.fetch_add(1, Ordering::Relaxed);
+                self.home(home).hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(found);
             }
         }
         // Only creating a stream needs the context to be current on this thread.
         ctx.bind()?;
         let raw = driver.stream_create(self.flags, self.priority)?;
-        self.home().misses.fetch_add(1, Ordering::Relaxed);
+        self.home(home).misses.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
         Ok((slot, 1))
     }
