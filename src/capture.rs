@@ -1,82 +1,41 @@
 //! Graph capture with guards that leave the capture state as they found it.
 //!
-//! * [`StreamRef::begin_capture`] returns a [`CaptureGuard`]. If the begin fails (for instance a
+//! * [`StreamRef::begin_capture`] returns a [`CaptureGuard`] that borrows the stream's holder
+//!   (so the owner or [`crate::OwnedStream`] cannot be dropped while it captures) and is not
+//!   `Send` (a capture ends on the thread that began it). If the begin fails (for instance a
 //!   nested begin on a stream that is already capturing, which the driver rejects with
 //!   `CUDA_ERROR_ILLEGAL_STATE`), the error is returned and the capture in progress is untouched:
 //!   no guard exists that could end it.
 //! * [`CaptureGuard::end`] returns the [`Graph`]. A guard dropped without `end` (early return,
 //!   `?`, panic) ends the capture and destroys the partial graph, leaving the stream usable.
-//! * [`CaptureModeGuard`] sets the thread's capture mode and restores the previous one on drop;
-//!   the pool runs its queries under one in relaxed mode.
+//! * The buffers that captured work uses are kept alive by the graph, and every
+//!   [`GraphExec::launch`] is a use of each of them (ordered after their last use, and recorded
+//!   as their new last use), so none is freed before a launch that uses it has run.
+//! * What the crate refuses on a capturing stream, because the real driver would turn it into
+//!   something unsafe or invalidate the capture: host functions (a captured host node runs on
+//!   every launch with the same data), blocking copies, synchronize/query, waits between a
+//!   capturing and another stream (fork/join), allocations, and graph launches.
 //!
 //! The default mode of [`StreamRef::begin_capture`] is [`CaptureMode::ThreadLocal`]: calls that
 //! are unsafe during capture are rejected on the capturing thread (where they are bugs), while
-//! other threads, which may be churning owners through the pool, are not affected. Pass
-//! [`CaptureMode::Global`] to [`StreamRef::begin_capture_with`] to get CUDA's default.
+//! other threads are not affected. Pass [`CaptureMode::Global`] to
+//! [`StreamRef::begin_capture_with`] to get CUDA's default. Either way the crate's own queries,
+//! synchronizations, allocations and frees run in relaxed mode and invalidate no capture.
 
 use crate::context::Context;
-use crate::driver::{self, CaptureMode, CaptureStatus, Driver};
+use crate::driver::{self, CaptureMode, CaptureStatus};
 use crate::error::{Error, ErrorCode, Result};
+use crate::memory::launch_with_uses;
+use crate::pool::CapturedUse;
 use crate::stream::StreamRef;
-
-/// Sets the calling thread's capture mode (`cuThreadExchangeStreamCaptureMode`) and restores the
-/// previous mode when dropped.
-///
-/// ```
-/// use cuda_stream_pool::{driver::{self, CaptureMode}, CaptureModeGuard};
-/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-/// {
-///     let g = CaptureModeGuard::new(&*drv, CaptureMode::Relaxed).unwrap();
-///     assert_eq!(g.previous(), CaptureMode::Global);
-/// }
-/// assert_eq!(drv.thread_exchange_capture_mode(CaptureMode::Global).unwrap(), CaptureMode::Global);
-/// ```
-pub struct CaptureModeGuard<'d> {
-    driver: &'d dyn Driver,
-    previous: CaptureMode,
-}
-
-impl std::fmt::Debug for CaptureModeGuard<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CaptureModeGuard")
-            .field("previous", &self.previous)
-            .finish()
-    }
-}
-
-impl<'d> CaptureModeGuard<'d> {
-    /// Switches the calling thread to `mode`.
-    pub fn new(driver: &'d dyn Driver, mode: CaptureMode) -> Result<Self> {
-        let previous = driver.thread_exchange_capture_mode(mode)?;
-        Ok(CaptureModeGuard { driver, previous })
-    }
-
-    /// The mode that will be restored.
-    pub fn previous(&self) -> CaptureMode {
-        self.previous
-    }
-}
-
-impl Drop for CaptureModeGuard<'_> {
-    fn drop(&mut self) {
-        let _ = self.driver.thread_exchange_capture_mode(self.previous);
-    }
-}
 
 /// An active capture of a stream (RAII around `cuStreamBeginCapture` / `cuStreamEndCapture`).
 ///
 /// * Made by [`StreamRef::begin_capture`] (thread-local mode) or
-///   [`StreamRef::begin_capture_with`]. If the begin fails (for instance a nested begin on a
-///   stream that is already capturing, which the driver rejects with `CUDA_ERROR_ILLEGAL_STATE`),
-///   the error is returned and the capture in progress is untouched: no guard exists that could
-///   end it.
+///   [`StreamRef::begin_capture_with`]. If the begin fails, the error is returned and the
+///   capture in progress is untouched.
 /// * [`CaptureGuard::end`] returns the [`Graph`]; an invalidated capture reports its error there.
-/// * Dropped without `end` (early return, `?`, panic), the guard ends the capture and destroys the
-///   partial graph, leaving the stream usable.
-///
-/// The default mode is thread-local: calls that are unsafe during capture are rejected on the
-/// capturing thread (where they are bugs), while other threads, which may be churning owners
-/// through the pool, are not affected.
+/// * Dropped without `end`, the guard ends the capture and destroys the partial graph.
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -92,27 +51,69 @@ impl Drop for CaptureModeGuard<'_> {
 /// exec.launch(&s).unwrap();
 /// assert_eq!(buf.to_vec(&s).unwrap(), vec![7; 4]);
 /// ```
-pub struct CaptureGuard {
-    stream: StreamRef,
+///
+/// The guard borrows the stream's owner, and stays on its thread:
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let g = owner.stream().unwrap().begin_capture().unwrap();
+/// drop(owner);                  // error: `owner` is borrowed by the guard
+/// drop(g);
+/// ```
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let g = owner.stream().unwrap().begin_capture().unwrap();
+/// std::thread::scope(|sc| { sc.spawn(move || g.end()); }); // error: the guard is not Send
+/// ```
+#[must_use = "dropping the guard ends the capture at once and discards the graph"]
+pub struct CaptureGuard<'a> {
+    stream: StreamRef<'a>,
     done: bool,
 }
 
-impl StreamRef {
+impl<'a> StreamRef<'a> {
     /// Begins capturing this stream in thread-local mode.
-    pub fn begin_capture(&self) -> Result<CaptureGuard> {
+    ///
+    /// # Errors
+    /// As [`StreamRef::begin_capture_with`].
+    pub fn begin_capture(&self) -> Result<CaptureGuard<'a>> {
         self.begin_capture_with(CaptureMode::ThreadLocal)
     }
 
     /// Begins capturing this stream in `mode`. On failure the stream's capture state, whatever
     /// it was, is unchanged.
-    pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard> {
-        self.check()?;
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{self, CaptureMode}, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let g = s.begin_capture_with(CaptureMode::Global).unwrap();
+    /// assert!(s.is_capturing().unwrap());
+    /// drop(g);                                       // ends it, discarding the graph
+    /// assert!(!s.is_capturing().unwrap());
+    /// ```
+    ///
+    /// # Errors
+    /// The driver's error, e.g. `CUDA_ERROR_ILLEGAL_STATE` for a nested begin.
+    pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard<'a>> {
         let mut st = self.slot.lock();
-        self.ctx
-            .inner
-            .driver
-            .stream_begin_capture(self.slot.raw, mode)?;
-        st.set_capturing(true);
+        // SAFETY: the stream is held by the holder this reference borrows: live.
+        unsafe {
+            self.ctx
+                .inner
+                .driver
+                .stream_begin_capture(self.slot.raw, mode)
+        }?;
+        st.begin_capture();
         Ok(CaptureGuard {
             stream: self.clone(),
             done: false,
@@ -120,7 +121,7 @@ impl StreamRef {
     }
 }
 
-impl std::fmt::Debug for CaptureGuard {
+impl std::fmt::Debug for CaptureGuard<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CaptureGuard")
             .field("stream", &self.stream)
@@ -129,82 +130,109 @@ impl std::fmt::Debug for CaptureGuard {
     }
 }
 
-impl CaptureGuard {
+impl<'a> CaptureGuard<'a> {
     /// The stream being captured.
-    pub fn stream(&self) -> &StreamRef {
+    pub fn stream(&self) -> &StreamRef<'a> {
         &self.stream
     }
 
     /// The capture's status and unique id (`cuStreamGetCaptureInfo`).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{self, CaptureStatus}, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// assert_eq!(g.info().unwrap().0, CaptureStatus::Active);
+    /// ```
+    ///
+    /// # Errors
+    /// The driver's error.
     pub fn info(&self) -> Result<(CaptureStatus, u64)> {
-        self.stream
-            .ctx
-            .inner
-            .driver
-            .stream_capture_info(self.stream.slot.raw)
+        // SAFETY: the stream is held by the holder the guard borrows: live.
+        unsafe {
+            self.stream
+                .ctx
+                .inner
+                .driver
+                .stream_capture_info(self.stream.slot.raw)
+        }
     }
 
-    fn finish(&mut self) -> Result<driver::Graph> {
+    fn finish(&mut self) -> (Result<driver::Graph>, Vec<CapturedUse>) {
         self.done = true;
         let ci = &self.stream.ctx.inner;
         let raw = self.stream.slot.raw;
-        let status = || {
-            ci.driver
-                .stream_is_capturing(raw)
-                .map(|s| s != CaptureStatus::None)
-        };
-        let mut r = ci.driver.stream_end_capture(raw);
+        // SAFETY (both closures): the stream is held by the holder the guard borrows: live.
+        let status =
+            || unsafe { ci.driver.stream_is_capturing(raw) }.map(|s| s != CaptureStatus::None);
+        let end = || unsafe { ci.driver.stream_end_capture(raw) };
+        let mut r = end();
         // A failed end that left the capture running (a transient failure) is retried, so that the
         // stream is not left capturing; the first error is the one reported.
         for _ in 0..2 {
             if r.is_ok() || status() == Ok(false) {
                 break;
             }
-            match ci.driver.stream_end_capture(raw) {
+            match end() {
                 Ok(g) => r = Ok(g),
                 Err(e) if e.code() == Some(ErrorCode::ERROR_ILLEGAL_STATE) => break,
                 Err(_) => {}
             }
         }
-        let capturing = || status().unwrap_or(false);
-        let still = capturing();
-        if !still {
-            self.stream.slot.lock().set_capturing(false);
-            ci.flush_deferred(Some(&self.stream.slot));
+        let mut uses = Vec::new();
+        // A successful end ended the capture whatever a status query says; after a failed end,
+        // only a query that answers "not capturing" does (else the stream stays flagged, and the
+        // pool never hands it out).
+        if r.is_ok() || status() == Ok(false) {
+            uses = self.stream.slot.lock().end_capture();
+            ci.flush_deferred();
         }
-        r
+        (r, uses)
     }
 
     /// Ends the capture and returns the graph. An invalidated capture reports its error here and
     /// leaves the stream not capturing.
+    ///
+    /// # Errors
+    /// The driver's error, e.g. `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
     pub fn end(mut self) -> Result<Graph> {
-        let raw = self.finish()?;
+        let (raw, uses) = self.finish();
         Ok(Graph {
             ctx: self.stream.ctx.clone(),
-            raw,
+            raw: raw?,
+            uses,
         })
     }
 }
 
-impl Drop for CaptureGuard {
+impl Drop for CaptureGuard<'_> {
     fn drop(&mut self) {
         if !self.done {
-            if let Ok(g) = self.finish() {
-                let _ = self.stream.ctx.inner.driver.graph_destroy(g);
+            if let (Ok(g), _) = self.finish() {
+                // SAFETY: the graph was just returned by the driver and is not used elsewhere.
+                let _ = unsafe { self.stream.ctx.inner.driver.graph_destroy(g) };
             }
         }
     }
 }
 
-/// A captured graph; destroyed when dropped. See [`CaptureGuard`] for an example.
+/// A captured graph; destroyed when dropped. It keeps alive the buffers its work uses. See
+/// [`CaptureGuard`] for an example.
 pub struct Graph {
     ctx: Context,
     raw: driver::Graph,
+    uses: Vec<CapturedUse>,
 }
 
 impl std::fmt::Debug for Graph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Graph").field("raw", &self.raw).finish()
+        f.debug_struct("Graph")
+            .field("raw", &self.raw)
+            .field("buffers", &self.uses.len())
+            .finish()
     }
 }
 
@@ -215,28 +243,39 @@ impl Graph {
     }
 
     /// Number of nodes.
+    ///
+    /// # Errors
+    /// The driver's error.
     pub fn node_count(&self) -> Result<usize> {
-        self.ctx.inner.driver.graph_node_count(self.raw)
+        // SAFETY: the graph is ours and live until dropped.
+        unsafe { self.ctx.inner.driver.graph_node_count(self.raw) }
     }
 
     /// Instantiates the graph. The graph is destroyed either way (on failure too: nothing leaks).
-    pub fn instantiate(self) -> Result<GraphExec> {
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn instantiate(mut self) -> Result<GraphExec> {
         self.ctx.inner.bind()?;
-        let raw = self.ctx.inner.driver.graph_instantiate(self.raw)?;
+        // SAFETY: the graph is ours and live until dropped.
+        let raw = unsafe { self.ctx.inner.driver.graph_instantiate(self.raw) }?;
         Ok(GraphExec {
             ctx: self.ctx.clone(),
             raw,
+            uses: std::mem::take(&mut self.uses),
         })
     }
 }
 
 impl Drop for Graph {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.driver.graph_destroy(self.raw);
+        // SAFETY: the graph is ours; nothing uses it after this.
+        let _ = unsafe { self.ctx.inner.driver.graph_destroy(self.raw) };
     }
 }
 
-/// An instantiated graph; destroyed when dropped.
+/// An instantiated graph; destroyed when dropped. It keeps alive the buffers its work uses, and
+/// each launch is a use of every one of them.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -249,17 +288,22 @@ impl Drop for Graph {
 /// x.fill(&s, 3).unwrap();
 /// let exec = g.end().unwrap().instantiate().unwrap();
 /// exec.upload(&s).unwrap();
-/// exec.launch(&s).unwrap();
-/// assert_eq!(x.to_vec(&s).unwrap(), vec![3; 8]);
+/// let other = ctx.owner();
+/// exec.launch(&other.stream().unwrap()).unwrap();   // ordered after x's last use
+/// assert_eq!(x.to_vec(&s).unwrap(), vec![3; 8]);    // ordered after the launch
 /// ```
 pub struct GraphExec {
     ctx: Context,
     raw: driver::GraphExec,
+    uses: Vec<CapturedUse>,
 }
 
 impl std::fmt::Debug for GraphExec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GraphExec").field("raw", &self.raw).finish()
+        f.debug_struct("GraphExec")
+            .field("raw", &self.raw)
+            .field("buffers", &self.uses.len())
+            .finish()
     }
 }
 
@@ -269,32 +313,58 @@ impl GraphExec {
         self.raw
     }
 
-    /// Launches the graph on a stream.
-    pub fn launch(&self, stream: &StreamRef) -> Result<()> {
-        stream.check()?;
+    /// Launches the graph on a stream: a use of every buffer the graph uses (the stream is
+    /// ordered after each one's last use, and becomes its last use).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a stream of another context;
+    /// [`Error::CaptureInProgress`] when the stream is capturing (launching a graph into a
+    /// capture is not supported); the errors of [`crate::DeviceBuffer::use_on`]; the driver's
+    /// error.
+    pub fn launch(&self, stream: &StreamRef<'_>) -> Result<()> {
         if !self.ctx.same(&stream.ctx) {
             return Err(Error::invalid(
                 "graph and stream belong to different contexts",
             ));
         }
-        self.ctx
-            .inner
-            .driver
-            .graph_launch(self.raw, stream.slot.raw)
+        stream.not_capturing("launching a graph")?;
+        launch_with_uses(&self.uses, stream, || {
+            // SAFETY: the exec is ours; the stream is held by the holder the reference borrows;
+            // every buffer the graph uses is kept alive by `self.uses` and ordered before (and
+            // after) this launch by `launch_with_uses`.
+            unsafe {
+                self.ctx
+                    .inner
+                    .driver
+                    .graph_launch(self.raw, stream.slot.raw)
+            }
+        })
     }
 
     /// Uploads the graph's resources ahead of the first launch.
-    pub fn upload(&self, stream: &StreamRef) -> Result<()> {
-        stream.check()?;
-        self.ctx
-            .inner
-            .driver
-            .graph_upload(self.raw, stream.slot.raw)
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a stream of another context; the driver's error.
+    pub fn upload(&self, stream: &StreamRef<'_>) -> Result<()> {
+        if !self.ctx.same(&stream.ctx) {
+            return Err(Error::invalid(
+                "graph and stream belong to different contexts",
+            ));
+        }
+        // SAFETY: the exec is ours; the stream is held (live). An upload runs no node.
+        unsafe {
+            self.ctx
+                .inner
+                .driver
+                .graph_upload(self.raw, stream.slot.raw)
+        }
     }
 }
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
-        let _ = self.ctx.inner.driver.graph_exec_destroy(self.raw);
+        // SAFETY: the exec is ours; a launch in flight completes (the driver frees it then).
+        // The buffers (`uses`) are dropped after this, their frees ordered after the launches.
+        let _ = unsafe { self.ctx.inner.driver.graph_exec_destroy(self.raw) };
     }
 }

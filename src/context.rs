@@ -1,11 +1,14 @@
-//! Per-context state: the pools, the disposal stream, the priority range, the memory pool.
+//! Per-context state: the pools, the disposal stream, the priority range, the memory pool, and
+//! the one routine that frees stream-ordered memory ([`CtxInner::free_ordered`]): every free of
+//! the crate goes through it, and a free it cannot order is kept and retried, never issued
+//! unordered.
 
-use crate::driver::{self, stream_flags, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr};
-use crate::error::{Error, Result};
-use crate::owner::Owner;
+use crate::driver::{
+    self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
+};
+use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{Pool, PoolStats, Slot};
-use crate::stream::StreamRef;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// A stream priority, per owner. Lower numbers are higher priorities (CUDA's convention); the
@@ -75,6 +78,14 @@ impl PriorityRange {
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
+/// A free that could not be enqueued yet: its last stream is capturing, or the driver refused
+/// the ordered free. Retried (ordered) by [`CtxInner::flush_deferred`].
+struct Deferred {
+    ptr: DevicePtr,
+    slot: Arc<Slot>,
+    gen: u64,
+}
+
 pub(crate) struct CtxInner {
     pub(crate) id: u64,
     pub(crate) driver: Arc<dyn Driver>,
@@ -90,8 +101,11 @@ pub(crate) struct CtxInner {
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
     events: Mutex<Vec<Event>>,
-    /// Frees that could not be enqueued because the buffer's stream was capturing.
-    pub(crate) deferred: Mutex<Vec<(DevicePtr, Arc<Slot>, u64)>>,
+    deferred: Mutex<Vec<Deferred>>,
+    /// `deferred.len()`, readable without the lock: the fast path of every flush.
+    deferred_len: AtomicUsize,
+    /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
+    _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -121,47 +135,69 @@ impl std::fmt::Debug for Context {
 
 impl Context {
     /// The primary context of device `ordinal`, retained for as long as this state lives.
+    ///
+    /// # Errors
+    /// The driver's error when it cannot initialise, find the device, retain its primary
+    /// context or create the disposal stream.
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
         driver.init()?;
         let device = driver.device_get(ordinal)?;
         let raw = driver.primary_ctx_retain(device)?;
-        match Self::build(driver.clone(), raw, device, true) {
+        match Self::build(driver.clone(), raw, device, true, None) {
             Ok(c) => Ok(c),
             Err(e) => {
-                let _ = driver.primary_ctx_release(device);
+                // SAFETY: retained just above, once; nothing uses it (the build failed).
+                let _ = unsafe { driver.primary_ctx_release(device) };
                 Err(e)
             }
         }
     }
 
-    /// Adopts a context that another crate created (e.g. cudarc's `CudaContext::cu_ctx()`). The
-    /// context must stay alive as long as this state and everything made from it; this state
-    /// never destroys or releases it.
+    /// Adopts a context that another crate created (e.g. cudarc's `CudaContext::cu_ctx()`).
+    /// This state never destroys or releases it.
+    ///
+    /// # Safety
+    /// `raw` must be a live context of `driver` and stay alive for as long as this state and
+    /// everything made from it (owners, streams, buffers, graphs) live. Pass what keeps it alive
+    /// (for example the other crate's `Arc`) as `keep_alive`: it is dropped after this state's
+    /// teardown.
     ///
     /// ```
     /// use cuda_stream_pool::{driver, Context};
     /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
     /// drv.init().unwrap();
-    /// let raw = drv.primary_ctx_retain(drv.device_get(0).unwrap()).unwrap(); // another crate's
-    /// let ctx = Context::adopt(drv.clone(), raw).unwrap();
+    /// let dev = drv.device_get(0).unwrap();
+    /// let raw = drv.primary_ctx_retain(dev).unwrap(); // another crate's context
+    /// // SAFETY: retained above and released only after `ctx` and everything made from it.
+    /// let ctx = unsafe { Context::adopt(drv.clone(), raw, None) }.unwrap();
     /// assert_eq!(ctx.raw(), raw);
-    /// assert!(Context::adopt(drv, driver::Context::NULL).is_err());
+    /// drop(ctx);
+    /// // SAFETY: retained once above; nothing uses it any more.
+    /// unsafe { drv.primary_ctx_release(dev) }.unwrap();
     /// ```
-    pub fn adopt(driver: Arc<dyn Driver>, raw: driver::Context) -> Result<Context> {
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a null context; the driver's error otherwise.
+    pub unsafe fn adopt(
+        driver: Arc<dyn Driver>,
+        raw: driver::Context,
+        keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
         }
         let prev = driver.ctx_get_current()?;
-        driver.ctx_set_current(raw)?;
-        let device = driver.ctx_get_device();
-        let device = match device {
+        // SAFETY: the caller guarantees `raw` is live.
+        unsafe { driver.ctx_set_current(raw) }?;
+        let device = match driver.ctx_get_device() {
             Ok(d) => d,
             Err(e) => {
-                let _ = driver.ctx_set_current(prev);
+                // SAFETY: `prev` was current on this thread a moment ago.
+                let _ = unsafe { driver.ctx_set_current(prev) };
                 return Err(e);
             }
         };
-        Self::build(driver, raw, device, false)
+        Self::build(driver, raw, device, false, keep_alive)
     }
 
     fn build(
@@ -169,13 +205,18 @@ impl Context {
         raw: driver::Context,
         device: Device,
         primary: bool,
+        keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Context> {
-        driver.ctx_set_current(raw)?;
+        // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
+        unsafe { driver.ctx_set_current(raw) }?;
         let (least, greatest) = driver.ctx_stream_priority_range()?;
         let mem_pool = driver.device_default_mem_pool(device)?;
         // Keep freed memory cached across synchronizations (the default threshold, 0, returns it
         // to the device at every synchronization).
-        driver.mem_pool_set_attribute(mem_pool, MemPoolAttr::ReleaseThreshold, u64::MAX)?;
+        // SAFETY: the device's default pool, just returned by the driver.
+        unsafe {
+            driver.mem_pool_set_attribute(mem_pool, MemPoolAttr::ReleaseThreshold, u64::MAX)
+        }?;
         let disposal = driver.stream_create(stream_flags::NON_BLOCKING, 0)?;
         Ok(Context {
             inner: Arc::new(CtxInner {
@@ -193,6 +234,8 @@ impl Context {
                 mem_pool,
                 events: Mutex::new(Vec::new()),
                 deferred: Mutex::new(Vec::new()),
+                deferred_len: AtomicUsize::new(0),
+                _keep_alive: keep_alive,
             }),
         })
     }
@@ -218,7 +261,8 @@ impl Context {
     }
 
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
-    /// crate frees memory whose last stream was recycled.
+    /// crate frees memory whose last stream was recycled. For diagnostics: the crate alone may
+    /// enqueue on it.
     pub fn disposal_stream(&self) -> driver::Stream {
         self.inner.disposal.raw
     }
@@ -230,22 +274,35 @@ impl Context {
 
     /// Sets how many bytes of freed memory the memory pool keeps cached across synchronizations
     /// (the crate sets `u64::MAX`, i.e. keep everything, when it creates the state).
+    ///
+    /// # Errors
+    /// The driver's error.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.inner.driver.mem_pool_set_attribute(
-            self.inner.mem_pool,
-            MemPoolAttr::ReleaseThreshold,
-            bytes,
-        )
+        // SAFETY: the device's default pool lives as long as the context.
+        unsafe {
+            self.inner.driver.mem_pool_set_attribute(
+                self.inner.mem_pool,
+                MemPoolAttr::ReleaseThreshold,
+                bytes,
+            )
+        }
     }
 
     /// Makes this context current on the calling thread, if it is not already.
+    ///
+    /// # Errors
+    /// The driver's error.
     pub fn bind(&self) -> Result<()> {
         self.inner.bind()
     }
 
-    /// `cuCtxSynchronize`.
+    /// `cuCtxSynchronize`, in relaxed capture mode (it invalidates no capture of any thread).
+    ///
+    /// # Errors
+    /// The driver's error, e.g. a sticky error of earlier work.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
+        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
         self.inner.driver.ctx_synchronize()
     }
 
@@ -277,18 +334,44 @@ impl Context {
     }
 
     /// Counters of the pool of one priority (non-blocking streams).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a priority outside the context's range.
     pub fn stats_for(&self, priority: Priority) -> Result<PoolStats> {
+        self.stats_for_key(priority, stream_flags::NON_BLOCKING)
+    }
+
+    /// Counters of the pool of one (priority, flags) key.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, driver::stream_flags, Context, Owner, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = Owner::with_flags(&ctx, stream_flags::DEFAULT);
+    /// o.stream().unwrap();
+    /// assert_eq!(ctx.stats_for_key(Priority::Normal, stream_flags::DEFAULT).unwrap().in_use, 1);
+    /// assert_eq!(ctx.stats_for(Priority::Normal).unwrap().in_use, 0);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a priority outside the context's range.
+    pub fn stats_for_key(&self, priority: Priority, flags: u32) -> Result<PoolStats> {
         let p = self.inner.range.resolve(priority)?;
         Ok(self
             .inner
-            .find_pool(p, stream_flags::NON_BLOCKING)
+            .find_pool(p, flags)
             .map(|pool| pool.stats(&*self.inner.driver))
             .unwrap_or_default())
     }
 
-    /// Destroys every retired stream whose work has completed; returns how many.
+    /// Destroys every retired stream whose work has completed, and retries the frees that are
+    /// still pending; returns how many streams were destroyed.
+    ///
+    /// # Errors
+    /// The first driver error of a destroy (the other streams are still trimmed).
     pub fn trim(&self) -> Result<usize> {
-        self.inner.flush_deferred(None);
+        self.inner.flush_deferred();
+        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
         let mut n = 0;
         for p in self.inner.all_pools() {
             n += p.drain(&*self.inner.driver, false)?;
@@ -296,34 +379,11 @@ impl Context {
         Ok(n)
     }
 
-    /// A new explicit owner at normal priority.
-    pub fn owner(&self) -> Owner {
-        Owner::new(self)
-    }
-
-    /// Runs `f` with the calling thread's implicit owner of this context (created on first use,
-    /// retired when the thread exits).
-    ///
-    /// ```
-    /// # use cuda_stream_pool::{driver, Context};
-    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-    /// # let ctx = Context::primary(drv, 0).unwrap();
-    /// let s = ctx.stream().unwrap();                  // the thread's stream
-    /// let same = ctx.with_thread_owner(|o| o.stream().unwrap()).unwrap();
-    /// assert!(s.same_stream(&same));
-    /// ```
-    pub fn with_thread_owner<R>(&self, f: impl FnOnce(&Owner) -> R) -> Result<R> {
-        crate::owner::with_thread_owner(self, f)
-    }
-
-    /// The current stream of the calling thread's implicit owner.
-    pub fn stream(&self) -> Result<StreamRef> {
-        self.with_thread_owner(|o| o.stream())?
-    }
-
-    /// Selects the priority of the calling thread's implicit owner (see [`Owner::set_priority`]).
-    pub fn set_priority(&self, p: Priority) -> Result<()> {
-        self.with_thread_owner(|o| o.set_priority(p))?
+    /// Frees that the crate could not enqueue yet (their stream is capturing, or the driver
+    /// refused): they are retried, ordered, at the end of the capture and by later operations of
+    /// this context (owner drops, allocations, frees, `trim`).
+    pub fn pending_frees(&self) -> usize {
+        self.inner.deferred_len.load(Ordering::Acquire)
     }
 
     pub(crate) fn same(&self, other: &Context) -> bool {
@@ -334,7 +394,9 @@ impl Context {
 impl CtxInner {
     pub(crate) fn bind(&self) -> Result<()> {
         if self.driver.ctx_get_current()? != self.raw {
-            self.driver.ctx_set_current(self.raw)?;
+            // SAFETY: the context is live while this state lives (retained, or kept alive by
+            // `adopt`'s contract).
+            unsafe { self.driver.ctx_set_current(self.raw) }?;
         }
         Ok(())
     }
@@ -390,8 +452,19 @@ impl CtxInner {
         v
     }
 
+    /// Takes a stream from the pool of (priority, flags).
+    pub(crate) fn acquire(&self, pool: &Pool) -> Result<(Arc<Slot>, u64)> {
+        pool.acquire(&*self.driver, || self.bind())
+    }
+
+    /// Gives a stream back to its pool, then retries pending frees.
+    pub(crate) fn release(&self, pool: &Pool, slot: Arc<Slot>) {
+        pool.release(&*self.driver, slot);
+        self.flush_deferred();
+    }
+
     /// An event for ordering one stream after another (record + wait), from a small cache.
-    pub(crate) fn take_event(&self) -> Result<Event> {
+    fn take_event(&self) -> Result<Event> {
         if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(e);
         }
@@ -401,90 +474,168 @@ impl CtxInner {
     }
 
     /// Returns an event to the cache. A wait already enqueued keeps waiting for the record it saw.
-    pub(crate) fn give_event(&self, e: Event) {
+    fn give_event(&self, e: Event) {
         let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
         if ev.len() < 64 {
             ev.push(e);
         } else {
             drop(ev);
-            let _ = self.driver.event_destroy(e);
+            // SAFETY: the event is ours and no longer in the cache; enqueued waits keep their
+            // record (destroying an event with pending waits is allowed).
+            let _ = unsafe { self.driver.event_destroy(e) };
         }
     }
 
     /// Orders later work on `after` after the work enqueued so far on `before`, on the GPU.
-    pub(crate) fn order(&self, before: driver::Stream, after: driver::Stream) -> Result<()> {
+    ///
+    /// # Safety
+    /// Both streams must be live for the duration of the call, and neither may be capturing
+    /// (a record in a capture would pull `after` into it; a capturing `after` waiting on an
+    /// outside record invalidates the capture).
+    pub(crate) unsafe fn order(&self, before: &Slot, after: &Slot) -> Result<()> {
         let e = self.take_event()?;
-        let r = self
-            .driver
-            .event_record(e, before)
-            .and_then(|_| self.driver.stream_wait_event(after, e));
+        // SAFETY: the event is ours; the caller keeps both streams live.
+        let r = unsafe {
+            self.driver
+                .event_record(e, before.raw)
+                .and_then(|_| self.driver.stream_wait_event(after.raw, e))
+        };
         self.give_event(e);
         r
     }
 
-    /// Frees `ptr` on the disposal stream.
-    pub(crate) fn free_on_disposal(&self, ptr: DevicePtr) -> Result<()> {
-        self.driver.mem_free_async(ptr, self.disposal.raw)
+    /// `cuMemFreeAsync` with the context made current when the driver asks for it.
+    ///
+    /// # Safety
+    /// As [`Driver::mem_free_async`].
+    unsafe fn free_on(&self, ptr: DevicePtr, stream: &Slot) -> Result<()> {
+        // SAFETY: the caller's contract.
+        match unsafe { self.driver.mem_free_async(ptr, stream.raw) } {
+            Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
+                self.bind()?;
+                // SAFETY: as above.
+                unsafe { self.driver.mem_free_async(ptr, stream.raw) }
+            }
+            r => r,
+        }
     }
 
-    /// Enqueues the frees deferred while `slot` was capturing (all of them when `slot` is None).
-    pub(crate) fn flush_deferred(&self, slot: Option<&Arc<Slot>>) {
-        let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
-        if list.is_empty() {
+    /// Frees `ptr`, whose last use was generation `gen` of `slot`, ordered after that use; in
+    /// relaxed capture mode, so that it invalidates no capture. Returns `false`, having enqueued
+    /// nothing, when the free cannot be ordered now (the stream is capturing, or the driver
+    /// refused): the caller keeps the pointer and retries.
+    ///
+    /// * generation live, not capturing: on the last stream; if the driver refuses, on the
+    ///   disposal stream after an event wait on the last stream;
+    /// * generation recycled or destroyed (its work has completed): on the disposal stream.
+    ///
+    /// # Safety
+    /// `ptr` is a live allocation of this context, freed by nobody else, and every use of it was
+    /// enqueued on `slot` no later than generation `gen` (or ordered before such work).
+    pub(crate) unsafe fn free_ordered(&self, ptr: DevicePtr, slot: &Slot, gen: u64) -> bool {
+        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
+            return false;
+        };
+        let st = slot.lock();
+        if !st.is_live(gen) {
+            drop(st);
+            // SAFETY: the last use's generation ended: the stream was handed over or destroyed
+            // only after its work had completed, so nothing uses `ptr` any more; the disposal
+            // stream lives as long as this state and is never captured.
+            return unsafe { self.free_on(ptr, &self.disposal) }.is_ok();
+        }
+        if st.capturing {
+            return false;
+        }
+        // SAFETY: the stream is live (generation current, under its lock) and not capturing;
+        // the free is ordered after every use by stream order.
+        if unsafe { self.free_on(ptr, slot) }.is_ok() {
+            return true;
+        }
+        // SAFETY: both streams are live and not capturing (the disposal stream never is); the
+        // free on the disposal stream is enqueued only after the wait succeeded.
+        unsafe {
+            self.order(slot, &self.disposal).is_ok() && self.free_on(ptr, &self.disposal).is_ok()
+        }
+    }
+
+    /// Frees `ptr` as [`CtxInner::free_ordered`] does, or keeps it for a later retry.
+    ///
+    /// # Safety
+    /// As [`CtxInner::free_ordered`].
+    pub(crate) unsafe fn free_or_defer(&self, ptr: DevicePtr, slot: &Arc<Slot>, gen: u64) {
+        // SAFETY: the caller's contract.
+        if !unsafe { self.free_ordered(ptr, slot, gen) } {
+            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            list.push(Deferred {
+                ptr,
+                slot: slot.clone(),
+                gen,
+            });
+            self.deferred_len.store(list.len(), Ordering::Release);
+        }
+    }
+
+    /// Retries the frees that could not be enqueued: each is either enqueued, ordered, or kept.
+    pub(crate) fn flush_deferred(&self) {
+        if self.deferred_len.load(Ordering::Acquire) == 0 {
             return;
         }
+        let taken = {
+            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            self.deferred_len.store(0, Ordering::Release);
+            std::mem::take(&mut *list)
+        };
         let mut keep = Vec::new();
-        for (ptr, s, gen) in list.drain(..) {
-            if slot.is_some_and(|x| !Arc::ptr_eq(x, &s)) {
-                keep.push((ptr, s, gen));
-                continue;
-            }
-            let st = s.lock();
-            if st.capturing {
-                drop(st);
-                keep.push((ptr, s, gen));
-                continue;
-            }
-            let r = if st.generation == gen && !st.destroyed {
-                self.driver.mem_free_async(ptr, s.raw)
-            } else {
-                self.free_on_disposal(ptr)
-            };
-            drop(st);
-            if r.is_err() && self.free_on_disposal(ptr).is_err() {
-                // Kept for the next flush.
-                keep.push((ptr, s, gen));
+        for d in taken {
+            // SAFETY: the entry was made by `free_or_defer`, whose contract covers it; it left
+            // the list, so no other flush frees it.
+            if !unsafe { self.free_ordered(d.ptr, &d.slot, d.gen) } {
+                keep.push(d);
             }
         }
-        *list = keep;
+        if !keep.is_empty() {
+            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            list.extend(keep);
+            self.deferred_len.store(list.len(), Ordering::Release);
+        }
     }
 }
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
-        // Everything of this context is gone (owners, streams and buffers hold it alive).
+        // Everything of this context is gone (owners, streams, buffers and graphs hold it
+        // alive). Teardown waits and queries in relaxed mode: it invalidates no capture.
         let _ = self.bind();
-        self.flush_deferred(None);
-        self.flush_deferred(None);
+        let _relaxed = CaptureModeGuard::relaxed(&*self.driver);
+        self.flush_deferred();
         for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true);
         }
-        let _ = self.driver.stream_synchronize(self.disposal.raw);
+        self.flush_deferred();
+        // Frees still pending here are leaked (their stream is captured by a leaked guard, or
+        // the driver refuses): leaking is safe, freeing unordered is not.
         {
             let mut st = self.disposal.lock();
-            st.destroy();
+            // SAFETY: the disposal stream lives until just below; never captured.
+            if unsafe { self.driver.stream_synchronize(self.disposal.raw) }.is_ok() {
+                st.destroy();
+                // SAFETY: idle, and nothing can enqueue on it any more (the state is going).
+                let _ = unsafe { self.driver.stream_destroy(self.disposal.raw) };
+            }
         }
-        let _ = self.driver.stream_destroy(self.disposal.raw);
         for e in self
             .events
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
         {
-            let _ = self.driver.event_destroy(e);
+            // SAFETY: the cached events are ours; nothing records them any more.
+            let _ = unsafe { self.driver.event_destroy(e) };
         }
         if self.primary {
-            let _ = self.driver.primary_ctx_release(self.device);
+            // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
+            let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }
     }
 }

@@ -279,14 +279,14 @@ fn run_one(
                             work(&owner.stream()?)?;
                         }
                         "pool-tls" => work(&ctx.stream()?)?,
-                        "floor" => work(&floor.as_ref().unwrap().0)?,
+                        "floor" => work(&floor.as_ref().unwrap().0.stream())?,
                         "fresh" => {
                             let s = Counted::new(&ctx)?;
-                            work(&s.0)?;
+                            work(&s.0.stream())?;
                         }
                         "deferred" => {
                             let s = Counted::new(&ctx)?;
-                            work(&s.0)?;
+                            work(&s.0.stream())?;
                             kept.lock().unwrap().push(s);
                         }
                         _ => unreachable!(),

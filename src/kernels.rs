@@ -3,12 +3,15 @@
 //! kernels by name.
 
 use crate::context::Context;
+use crate::driver::CaptureModeGuard;
 use crate::driver::{Function, Module};
 use crate::error::{Error, Result};
-use crate::memory::DeviceBuffer;
+use crate::memory::{BufferUse, DeviceBuffer};
+use crate::pool::CapturedUse;
 use crate::stream::StreamRef;
 use std::ffi::CStr;
 use std::os::raw::c_void;
+use std::sync::Arc;
 
 /// The PTX text, NUL-terminated for `cuModuleLoadData`.
 pub const PTX: &str = concat!(include_str!("kernels.ptx"), "\0");
@@ -30,18 +33,45 @@ const BLOCK: u32 = 256;
 /// k.sum(&s, &x, &sum).unwrap();
 /// assert_eq!(sum.to_vec(&s).unwrap(), vec![1024.0]);
 /// ```
+///
+/// The module stays loaded while a graph that captured one of its kernels lives.
 pub struct Kernels {
-    ctx: Context,
-    module: Module,
+    inner: Arc<Module_>,
     add_one: Function,
     sum: Function,
     add_u32: Function,
 }
 
+/// The loaded module; unloaded (after the context's work has completed) when the last of the
+/// [`Kernels`] and the graphs that captured its kernels is gone.
+struct Module_ {
+    ctx: Context,
+    module: Module,
+}
+
+impl Drop for Module_ {
+    fn drop(&mut self) {
+        let ci = &self.ctx.inner;
+        // Kernels of the module may still be pending: wait for them (relaxed: no capture is
+        // invalidated); if that fails, keep the module loaded rather than unload under them.
+        if ci.bind().is_err() {
+            return;
+        }
+        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*ci.driver) else {
+            return;
+        };
+        if ci.driver.ctx_synchronize().is_ok() {
+            // SAFETY: the module is ours; no launch of it is pending (synchronized above) and
+            // none can be made any more (no `Kernels` nor graph refers to it).
+            let _ = unsafe { ci.driver.module_unload(self.module) };
+        }
+    }
+}
+
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kernels")
-            .field("module", &self.module)
+            .field("module", &self.inner.module)
             .finish()
     }
 }
@@ -59,7 +89,8 @@ impl Kernels {
         let d = &ci.driver;
         let image = CStr::from_bytes_with_nul(PTX.as_bytes()).expect("PTX has one trailing NUL");
         let module = d.module_load_data(image)?;
-        let get = |name: &CStr| d.module_get_function(module, name);
+        // SAFETY: the module was just loaded and is unloaded only by `Module_::drop`.
+        let get = |name: &CStr| unsafe { d.module_get_function(module, name) };
         let funcs = (|| {
             Ok((
                 get(c"csp_add_one_f32")?,
@@ -69,21 +100,30 @@ impl Kernels {
         })();
         match funcs {
             Ok((add_one, sum, add_u32)) => Ok(Kernels {
-                ctx: ctx.clone(),
-                module,
+                inner: Arc::new(Module_ {
+                    ctx: ctx.clone(),
+                    module,
+                }),
                 add_one,
                 sum,
                 add_u32,
             }),
             Err(e) => {
-                let _ = d.module_unload(module);
+                // SAFETY: loaded just above, never launched.
+                let _ = unsafe { d.module_unload(module) };
                 Err(e)
             }
         }
     }
 
-    fn check<T: crate::DeviceCopy>(&self, s: &StreamRef, b: &DeviceBuffer<T>) -> Result<()> {
-        if !self.ctx.same(s.context()) || !self.ctx.same(b.context()) {
+    /// Begins the buffer's use on `s`; the kernel is launched while the guard lives, so the use
+    /// is recorded after the launch.
+    fn use_on<'b, T: crate::DeviceCopy>(
+        &self,
+        s: &'b StreamRef<'_>,
+        b: &'b DeviceBuffer<T>,
+    ) -> Result<BufferUse<'b>> {
+        if !self.inner.ctx.same(s.context()) || !self.inner.ctx.same(b.context()) {
             return Err(Error::invalid(
                 "kernels, stream and buffer of different contexts",
             ));
@@ -94,29 +134,39 @@ impl Kernels {
     fn launch(
         &self,
         f: Function,
-        s: &StreamRef,
+        s: &StreamRef<'_>,
         n: usize,
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let (g, _) = grid(n)?;
+        let ci = &self.inner.ctx.inner;
         // The function belongs to this context's module: launch with the context current.
-        self.ctx.inner.bind()?;
+        ci.bind()?;
+        if s.slot.is_capturing() {
+            // The graph will launch the kernel: it keeps the module loaded.
+            let m: CapturedUse = self.inner.clone();
+            s.slot.lock().add_captured(m);
+        }
         // SAFETY: every caller passes pointers to values of the kernel's parameter types (a
-        // device pointer as u64, then u32s), and the device ranges are whole buffers of at least
-        // `n` elements, ordered on `s` by `check`.
+        // device pointer as u64, then u32s); the device ranges are whole buffers of at least `n`
+        // elements, kept alive and ordered on `s` by the callers' live `BufferUse` guards; `s`
+        // is held by its reference's holder (a launch into a capture becomes a node, and the
+        // capture keeps the buffers).
         unsafe {
-            self.ctx
-                .inner
-                .driver
+            ci.driver
                 .launch_kernel(f, g, [BLOCK, 1, 1], 0, s.raw(), params)
         }
     }
 
     /// `x[i] += 1` on `s`.
-    pub fn add_one(&self, s: &StreamRef, x: &DeviceBuffer<f32>) -> Result<()> {
-        self.check(s, x)?;
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for objects of different contexts or a buffer longer than
+    /// `u32::MAX`; as [`DeviceBuffer::use_on`]; the driver's error.
+    pub fn add_one(&self, s: &StreamRef<'_>, x: &DeviceBuffer<f32>) -> Result<()> {
         let (_, n) = grid(x.len())?;
-        let (mut p, mut n2) = (x.as_raw().0, n);
+        let u = self.use_on(s, x)?;
+        let (mut p, mut n2) = (u.ptr().0, n);
         self.launch(
             self.add_one,
             s,
@@ -129,11 +179,19 @@ impl Kernels {
     }
 
     /// `out[0] += sum(x)` on `s`.
-    pub fn sum(&self, s: &StreamRef, x: &DeviceBuffer<f32>, out: &DeviceBuffer<f32>) -> Result<()> {
-        self.check(s, x)?;
-        self.check(s, out)?;
+    ///
+    /// # Errors
+    /// As [`Kernels::add_one`]; [`Error::InvalidArgument`] when `x` and `out` are one buffer.
+    pub fn sum(
+        &self,
+        s: &StreamRef<'_>,
+        x: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+    ) -> Result<()> {
         let (_, n) = grid(x.len())?;
-        let (mut px, mut po, mut n2) = (x.as_raw().0, out.as_raw().0, n);
+        let ux = self.use_on(s, x)?;
+        let uo = self.use_on(s, out)?;
+        let (mut px, mut po, mut n2) = (ux.ptr().0, uo.ptr().0, n);
         self.launch(
             self.sum,
             s,
@@ -147,10 +205,13 @@ impl Kernels {
     }
 
     /// `x[i] += v` on `s`.
-    pub fn add_u32(&self, s: &StreamRef, x: &DeviceBuffer<u32>, v: u32) -> Result<()> {
-        self.check(s, x)?;
+    ///
+    /// # Errors
+    /// As [`Kernels::add_one`].
+    pub fn add_u32(&self, s: &StreamRef<'_>, x: &DeviceBuffer<u32>, v: u32) -> Result<()> {
         let (_, n) = grid(x.len())?;
-        let (mut p, mut n2, mut v2) = (x.as_raw().0, n, v);
+        let u = self.use_on(s, x)?;
+        let (mut p, mut n2, mut v2) = (u.ptr().0, n, v);
         self.launch(
             self.add_u32,
             s,
@@ -161,11 +222,5 @@ impl Kernels {
                 &mut v2 as *mut u32 as *mut c_void,
             ],
         )
-    }
-}
-
-impl Drop for Kernels {
-    fn drop(&mut self) {
-        let _ = self.ctx.inner.driver.module_unload(self.module);
     }
 }

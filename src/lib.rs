@@ -31,9 +31,9 @@
 //! thread also has an implicit owner per context ([`Context::with_thread_owner`],
 //! [`Context::stream`]), retired when the thread exits.
 //!
-//! The stream an owner returns **belongs to the owner**. A [`StreamRef`] used after its owner is
-//! gone returns [`Error::StaleStream`]; the raw handle ([`StreamRef::raw`]) cannot be checked, so
-//! do not keep it. Work that must outlive any owner belongs on an [`OwnedStream`].
+//! The [`StreamRef`] an owner returns **borrows the owner**: the owner cannot be dropped (and its
+//! streams cannot go back to the pool) while a reference is in use, and a reference never leaves
+//! its thread. Work that must outlive any owner belongs on an [`OwnedStream`].
 //!
 //! ## Priorities
 //!
@@ -64,9 +64,42 @@
 //!
 //! No public function panics on bad input or on a driver failure: every driver result is checked
 //! and returned as [`Error`] (with the driver's code, its name and the entry point). Destructors
-//! cannot return errors; where a driver call fails in one (a free, a stream or graph destroy),
-//! the crate retries or falls back (a free that fails is retried on the disposal stream and, failing
-//! that, kept until the next [`Context::trim`] or teardown) and otherwise ignores the failure.
+//! cannot return errors: a free the driver refuses is kept and retried, ordered, by later
+//! operations of the context (never issued unordered); a stream whose synchronization fails is
+//! kept rather than destroyed under its work.
+//!
+//! ## Safety contract
+//!
+//! From safe code, whatever the threads, captures and drop order, the crate guarantees:
+//!
+//! * **No GPU use of freed memory.** Every use of a [`DeviceBuffer`] (the crate's copies,
+//!   memsets and kernels, a [`BufferUse`] for work of your own, every launch of a graph that
+//!   captured the buffer) is ordered after the buffer's previous use and recorded after its work
+//!   is enqueued; the free is ordered after the last use. A free that cannot be ordered is kept
+//!   and retried, never issued unordered. Graphs keep their buffers (and kernel modules) alive.
+//! * **No double free, no use of a destroyed handle.** Streams go back to the pool only once
+//!   their owner is gone (enforced by borrows) and their work has completed; a stream is
+//!   destroyed only when idle and not captured; host functions are refused in captures (a
+//!   captured host node would run its boxed closure on every launch).
+//! * **No invalidated capture.** The crate's queries, synchronizations, allocations and frees run
+//!   in relaxed capture mode (they invalidate no capture of any thread); operations that a
+//!   capture cannot contain (host copies, allocations, synchronize, waits between a capturing and
+//!   another stream, host functions, nested graph launches) are refused with
+//!   [`Error::CaptureInProgress`] before any driver call; a capture guard borrows its stream's
+//!   holder and is not `Send`, so the capture ends on its own thread.
+//!
+//! What is `unsafe`, and what it requires of you:
+//!
+//! * The [`driver::Driver`] methods that take raw handles (streams, events, graphs, modules,
+//!   memory pools, device pointers): each `# Safety` section says which handles must be live. The
+//!   raw handles the crate hands out ([`StreamRef::raw`], [`DeviceBuffer::as_raw`],
+//!   [`BufferUse::ptr`]) are valid while their holder lives; work you enqueue with them must use a
+//!   buffer only while a [`BufferUse`] of it on that stream is alive, and must not leave the
+//!   stream capturing.
+//! * [`Context::adopt`]: the adopted context must outlive the state (pass what keeps it alive).
+//! * [`DeviceBuffer::copy_from_host_async`] / [`DeviceBuffer::copy_to_host_async`]: the host
+//!   memory must stay valid (and untouched, for a copy to host) until the copy has completed.
+//! * [`DeviceCopy`]: implement it only for plain data where every bit pattern is valid.
 //!
 //! ## Drivers
 //!
@@ -87,10 +120,11 @@ mod owner;
 mod pool;
 mod stream;
 
-pub use capture::{CaptureGuard, CaptureModeGuard, Graph, GraphExec};
+pub use capture::{CaptureGuard, Graph, GraphExec};
 pub use context::{Context, Priority, PriorityRange};
+pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
-pub use memory::{DeviceBuffer, DeviceCopy};
+pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};
 pub use owner::{end_thread_owner, Owner};
 pub use pool::{PoolStats, MAX_IDLE};
 pub use stream::{OwnedStream, StreamRef};

@@ -1,28 +1,28 @@
 //! Stream-ordered device memory that remembers the (stream, generation) of its last use.
 //!
-//! * Used on another stream: when the last stream's generation is unchanged, the new stream is
-//!   ordered after the last use on the GPU (one event record + wait; the CPU never waits). When it
-//!   changed, the last stream was handed to a new owner, which only happens once its work had
-//!   completed: nothing waits, and above all nothing waits on the new owner's work.
-//! * Freed (dropped): on the last stream when its generation is unchanged; on the context's
-//!   disposal stream when it was recycled or destroyed. The check and the enqueue happen under the
-//!   stream's lock, so a hand-over cannot slip in between.
-//! * Dropped while its last stream is being captured (by a [`crate::CaptureGuard`]): the free is
-//!   never put into the capture. It is deferred until the capture ends, then enqueued on the
-//!   stream (or on the disposal stream if the stream was recycled meanwhile).
-//! * Allocated inside a capture: the allocation is a node of the graph, which owns the memory.
-//!   Dropped inside the same capture, its free becomes a node too, so that every launch of the
-//!   graph allocates and frees it (the usual pattern for temporaries). Dropped after the capture,
-//!   it is freed on its stream, which CUDA allows once the graph has run; dropping it before the
-//!   graph ever ran is an error of the driver that a destructor cannot report (it is ignored).
+//! * A use of a buffer on a stream is a [`BufferUse`] guard: made by [`DeviceBuffer::use_on`],
+//!   it orders the stream after the buffer's last use (when that stream's generation is
+//!   unchanged; a recycled stream's work has completed, so nothing waits, and above all nothing
+//!   waits on its new owner), holds the buffer's use lock while the caller enqueues its work, and
+//!   records the stream as the last use when dropped, after the work. A second thread's use of
+//!   the same buffer therefore orders after that work, never before it.
+//! * Freed (the last reference dropped): ordered after the last use, on its stream when its
+//!   generation is unchanged, else on the context's disposal stream; in relaxed capture mode so
+//!   that no capture anywhere is invalidated. A free that cannot be enqueued now (its stream is
+//!   capturing, or the driver refuses) is kept and retried, ordered: never issued unordered.
+//! * Used inside a capture: the buffer is registered with the capture, the graph keeps it alive,
+//!   and every launch of the graph is a use of it.
+//! * Not allowed on a capturing stream: allocation (allocate before `begin_capture`), blocking and
+//!   host copies (a captured copy would read or write host memory on every launch).
 
 use crate::context::Context;
-use crate::driver::DevicePtr;
+use crate::driver::{CaptureModeGuard, DevicePtr};
 use crate::error::{Error, ErrorCode, Result};
-use crate::pool::Slot;
+use crate::pool::{CapturedUse, Slot};
 use crate::stream::StreamRef;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Plain data that can live in device memory: every bit pattern is a valid value.
 ///
@@ -43,20 +43,188 @@ struct LastUse {
     gen: u64,
 }
 
-/// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
-/// its last use.
+/// A small number per thread, for telling whether the calling thread already holds a buffer's
+/// use lock (which would otherwise deadlock).
+fn thread_tag() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TAG: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TAG.try_with(|t| *t).unwrap_or(u64::MAX)
+}
+
+/// The allocation and its last use, shared by the [`DeviceBuffer`] and the graphs whose work
+/// uses it; freed (ordered) when the last of them is gone.
+pub(crate) struct BufCore {
+    ctx: Context,
+    ptr: DevicePtr,
+    bytes: usize,
+    last: Mutex<LastUse>,
+    /// The tag of the thread holding `last` through a [`BufferUse`], 0 when none.
+    holder: AtomicU64,
+}
+
+impl Drop for BufCore {
+    fn drop(&mut self) {
+        let ci = &self.ctx.inner;
+        let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
+        // after its work was enqueued (by a `BufferUse`), each ordered after the one before, so
+        // all of them precede generation `last.gen` of `last.slot`'s stream.
+        unsafe { ci.free_or_defer(self.ptr, &last.slot, last.gen) };
+        ci.flush_deferred();
+    }
+}
+
+/// A use of a buffer on a stream, in progress: the stream is ordered after the buffer's last
+/// use, and the buffer's use lock is held until the guard is dropped, at which point the stream
+/// becomes the buffer's last use. Enqueue the work that uses [`BufferUse::ptr`] while the guard
+/// lives. Not `Send`: it holds a lock of the thread that made it.
 ///
-/// * [`DeviceBuffer::use_on`] another stream: when the last stream's generation is unchanged, the
-///   new stream is ordered after the last use on the GPU (event record + wait, no CPU wait); when
-///   it changed (the stream was handed to a new owner, which only happens once its work had
-///   completed), nothing waits: above all, nothing waits on the new owner's work.
-/// * Dropped: freed on the last stream when its generation is unchanged, else on the context's
-///   disposal stream (the recycled stream's new owner may be capturing it). The generation check
-///   and the enqueue happen under the stream's lock, so a hand-over cannot slip in between.
-/// * Dropped while a [`crate::CaptureGuard`] captures its last stream: the free never enters the
-///   capture; it is enqueued when the capture ends.
-/// * Allocated inside a capture: the graph owns the allocation; drop it inside the same capture
-///   (its free becomes a graph node, so every launch allocates and frees it).
+/// ```
+/// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let (a, b) = (ctx.owner(), ctx.owner());
+/// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+/// let buf = DeviceBuffer::<f32>::zeroed(&sa, 256).unwrap();
+/// {
+///     let u = buf.use_on(&sb).unwrap();   // sb now waits for sa's memset, on the GPU
+///     let _ptr = u.ptr();                 // launch work on sb with it here (e.g. with cudarc)
+///     assert!(buf.use_on(&sa).is_err());  // this thread already holds the use lock
+/// }                                       // sb is the buffer's last use from here on
+/// assert!(buf.last_use().0 == sb.raw());
+/// ```
+#[must_use = "the use is recorded when the guard is dropped: enqueue the work while it lives"]
+pub struct BufferUse<'b> {
+    core: &'b BufCore,
+    last: MutexGuard<'b, LastUse>,
+    /// The use to record on drop, set once the stream has been ordered.
+    new: Option<LastUse>,
+}
+
+impl std::fmt::Debug for BufferUse<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferUse")
+            .field("ptr", &self.core.ptr)
+            .field("bytes", &self.core.bytes)
+            .finish()
+    }
+}
+
+impl BufferUse<'_> {
+    /// The device pointer, for the work enqueued while the guard lives.
+    pub fn ptr(&self) -> DevicePtr {
+        self.core.ptr
+    }
+
+    /// The allocation's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.core.bytes
+    }
+}
+
+impl Drop for BufferUse<'_> {
+    fn drop(&mut self) {
+        if let Some(new) = self.new.take() {
+            *self.last = new;
+        }
+        self.core.holder.store(0, Ordering::Release);
+    }
+}
+
+impl BufCore {
+    /// Begins a use of the buffer on `stream` (see [`BufferUse`]).
+    fn begin_use<'b>(self: &'b Arc<Self>, stream: &StreamRef<'_>) -> Result<BufferUse<'b>> {
+        if !self.ctx.same(&stream.ctx) {
+            return Err(Error::invalid(
+                "the buffer belongs to another context than the stream",
+            ));
+        }
+        let me = thread_tag();
+        if self.holder.load(Ordering::Acquire) == me {
+            return Err(Error::invalid(
+                "the buffer is already in use on this thread (a BufferUse of it is alive)",
+            ));
+        }
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        self.holder.store(me, Ordering::Release);
+        let mut u = BufferUse {
+            core: self,
+            last,
+            new: None,
+        };
+        let (slot, gen) = (&stream.slot, stream.gen);
+        let capturing = slot.is_capturing();
+        if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
+            let prev = u.last.slot.clone();
+            let st = prev.lock();
+            if st.is_live(u.last.gen) {
+                if st.capturing {
+                    return Err(Error::CaptureInProgress(
+                        "the buffer's last use is in a capture in progress on another stream; \
+                         end the capture before using the buffer elsewhere"
+                            .into(),
+                    ));
+                }
+                let ci = &self.ctx.inner;
+                if capturing {
+                    // A capturing stream cannot wait on work outside its capture (the driver
+                    // invalidates the capture, CUDA_ERROR_STREAM_CAPTURE_ISOLATION): that work
+                    // must have completed already.
+                    let _relaxed = CaptureModeGuard::relaxed(&*ci.driver)?;
+                    // SAFETY: the previous stream is live (generation current, under its lock).
+                    if !unsafe { ci.driver.stream_query(prev.raw) }? {
+                        return Err(Error::CaptureInProgress(
+                            "the buffer's last use, on another stream, may still be running: a \
+                             capture cannot wait for it; synchronize that stream (or use the \
+                             buffer on this stream) before begin_capture"
+                                .into(),
+                        ));
+                    }
+                } else {
+                    // SAFETY: both streams are live (the previous one under its lock, the new
+                    // one held by the reference's holder) and neither is capturing.
+                    unsafe { ci.order(&prev, slot) }?;
+                }
+            }
+        }
+        if capturing {
+            let r: CapturedUse = self.clone();
+            slot.lock().add_captured(r);
+        }
+        u.new = Some(LastUse {
+            slot: slot.clone(),
+            gen,
+        });
+        Ok(u)
+    }
+}
+
+/// Runs `launch` (a graph launch on `stream`) as a use of every buffer in `uses`: the stream is
+/// ordered after each one's last use before, and recorded as its last use after. The buffers'
+/// use locks are taken in address order, so concurrent launches cannot deadlock.
+pub(crate) fn launch_with_uses(
+    uses: &[CapturedUse],
+    stream: &StreamRef<'_>,
+    launch: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let mut cores: Vec<Arc<BufCore>> = uses
+        .iter()
+        .filter_map(|u| u.clone().downcast::<BufCore>().ok())
+        .collect();
+    cores.sort_by_key(|c| Arc::as_ptr(c) as usize);
+    let mut guards = Vec::with_capacity(cores.len());
+    for c in &cores {
+        guards.push(c.begin_use(stream)?);
+    }
+    launch()
+}
+
+/// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
+/// its last use. See the [module docs](self) for the rules; in short, every use goes through a
+/// [`BufferUse`] (the crate's copies and kernels make one), and the free is always ordered after
+/// the last use.
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -67,78 +235,112 @@ struct LastUse {
 /// let buf = DeviceBuffer::from_slice(&s, &[1.0f32, 2.0, 3.0]).unwrap();
 /// let b = ctx.owner();
 /// let t = b.stream().unwrap();
-/// buf.use_on(&t).unwrap();                      // t waits for s's copy, on the GPU
-/// assert_eq!(buf.to_vec(&t).unwrap(), vec![1.0, 2.0, 3.0]);
+/// assert_eq!(buf.to_vec(&t).unwrap(), vec![1.0, 2.0, 3.0]);   // t waits for s's copy
 /// ```
 pub struct DeviceBuffer<T: DeviceCopy> {
-    ctx: Context,
-    ptr: DevicePtr,
+    core: Arc<BufCore>,
     len: usize,
-    last: Mutex<LastUse>,
-    /// Allocated while its stream was being captured: the allocation is a node of the graph.
-    captured: bool,
     _t: PhantomData<T>,
 }
 
 impl<T: DeviceCopy> std::fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("ptr", &self.ptr)
+            .field("ptr", &self.core.ptr)
             .field("len", &self.len)
             .finish()
     }
 }
 
 impl<T: DeviceCopy> DeviceBuffer<T> {
-    /// Allocates `len` elements on `stream`, uninitialised (any bit pattern is a valid `T`).
-    pub fn alloc(stream: &StreamRef, len: usize) -> Result<Self> {
-        stream.check()?;
+    /// Allocates `len` elements on `stream`, uninitialised (any bit pattern is a valid `T`). The
+    /// allocation runs in relaxed capture mode: it invalidates no capture of any thread.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let b = DeviceBuffer::<u8>::alloc(&s, 100).unwrap();
+    /// assert_eq!(b.len(), 100);
+    /// assert!(DeviceBuffer::<u8>::alloc(&s, 0).is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero elements or a size that overflows;
+    /// [`Error::CaptureInProgress`] on a capturing stream (allocate before the capture); the
+    /// driver's error, e.g. out of memory.
+    pub fn alloc(stream: &StreamRef<'_>, len: usize) -> Result<Self> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .filter(|b| *b > 0)
             .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
+        stream.not_capturing("allocating")?;
         let ci = &stream.ctx.inner;
+        ci.flush_deferred();
+        let d = &*ci.driver;
+        let _relaxed = CaptureModeGuard::relaxed(d)?;
+        // SAFETY: the stream is held by the reference's holder (live); the memory is freed by
+        // `BufCore::drop`, ordered after its last use.
+        let alloc = || unsafe { d.mem_alloc_async(bytes, stream.slot.raw) };
         // The allocation comes from the pool of the stream's device; a current context is only
         // needed when the driver asks for one.
-        let ptr = match ci.driver.mem_alloc_async(bytes, stream.slot.raw) {
+        let ptr = match alloc() {
             Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
                 ci.bind()?;
-                ci.driver.mem_alloc_async(bytes, stream.slot.raw)?
+                alloc()?
             }
             r => r?,
         };
         Ok(DeviceBuffer {
-            ctx: stream.ctx.clone(),
-            ptr,
-            len,
-            last: Mutex::new(LastUse {
-                slot: stream.slot.clone(),
-                gen: stream.gen,
+            core: Arc::new(BufCore {
+                ctx: stream.ctx.clone(),
+                ptr,
+                bytes,
+                last: Mutex::new(LastUse {
+                    slot: stream.slot.clone(),
+                    gen: stream.gen,
+                }),
+                holder: AtomicU64::new(0),
             }),
-            captured: stream.slot.is_capturing(),
+            len,
             _t: PhantomData,
         })
     }
 
     /// Allocates `len` zeroed elements on `stream`.
-    pub fn zeroed(stream: &StreamRef, len: usize) -> Result<Self> {
-        let b = Self::alloc(stream, len)?;
-        let words = len * std::mem::size_of::<T>();
-        b.ctx.inner.bind()?;
-        if words % 4 == 0 {
-            b.ctx
-                .inner
-                .driver
-                .memset_d32_async(b.ptr, 0, words / 4, stream.slot.raw)?;
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// assert_eq!(DeviceBuffer::<u16>::zeroed(&s, 3).unwrap().to_vec(&s).unwrap(), vec![0; 3]);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::alloc`]; the driver's error for the memset.
+    pub fn zeroed(stream: &StreamRef<'_>, len: usize) -> Result<Self> {
+        let mut b = Self::alloc(stream, len)?;
+        let bytes = b.core.bytes;
+        if bytes % 4 == 0 {
+            b.memset32(stream, 0)?;
         } else {
-            let zeros = vec![0u8; words];
-            b.copy_bytes_in(stream, &zeros)?;
+            let zeros = vec![0u8; bytes];
+            // SAFETY: `zeros` outlives the call, which synchronizes before returning.
+            unsafe { b.enqueue_copy_in(stream, &zeros) }?;
+            stream.synchronize()?;
         }
         Ok(b)
     }
 
     /// Allocates on `stream` and copies `data` in (blocking until the copy has completed).
-    pub fn from_slice(stream: &StreamRef, data: &[T]) -> Result<Self> {
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::alloc`] and [`DeviceBuffer::copy_from_host`].
+    pub fn from_slice(stream: &StreamRef<'_>, data: &[T]) -> Result<Self> {
         let mut b = Self::alloc(stream, data.len())?;
         b.copy_from_host(stream, data)?;
         Ok(b)
@@ -154,81 +356,51 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         self.len == 0
     }
 
-    /// The device pointer, for kernel parameters. Order the stream first with
-    /// [`DeviceBuffer::use_on`].
+    /// The device pointer. Work that uses it must be enqueued while a [`BufferUse`] of the
+    /// buffer on that stream is alive ([`DeviceBuffer::use_on`]).
     pub fn as_raw(&self) -> DevicePtr {
-        self.ptr
+        self.core.ptr
     }
 
     /// The context the memory belongs to.
     pub fn context(&self) -> &Context {
-        &self.ctx
+        &self.core.ctx
     }
 
-    /// Prepares the buffer for work on `stream` and records it as the last use: when the last
-    /// stream's generation is unchanged, `stream` is ordered after the last use on the GPU; when
-    /// it changed (recycled), nothing waits.
-    pub fn use_on(&self, stream: &StreamRef) -> Result<()> {
-        stream.check()?;
-        if !self.ctx.same(&stream.ctx) {
-            return Err(Error::invalid(
-                "the buffer belongs to another context than the stream",
-            ));
-        }
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        if Arc::ptr_eq(&last.slot, &stream.slot) && last.gen == stream.gen {
-            return Ok(());
-        }
-        {
-            let st = last.slot.lock();
-            if st.generation == last.gen && !st.destroyed {
-                if st.capturing {
-                    return Err(Error::CaptureInProgress(
-                        "the buffer's last stream is capturing; end the capture before using \
-                         the buffer on another stream"
-                            .into(),
-                    ));
-                }
-                self.ctx.inner.order(last.slot.raw, stream.slot.raw)?;
-            }
-        }
-        *last = LastUse {
-            slot: stream.slot.clone(),
-            gen: stream.gen,
-        };
-        Ok(())
+    /// Begins a use of the buffer on `stream`: orders `stream` after the buffer's last use (on
+    /// the GPU, when the last stream's generation is unchanged; not at all when it was
+    /// recycled), and returns the guard while which the work is enqueued; dropping the guard
+    /// records `stream` as the last use. See [`BufferUse`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a stream of another context, or when this thread already
+    /// holds a use of the buffer; [`Error::CaptureInProgress`] when the last use is in a capture
+    /// in progress on another stream, or when `stream` is capturing and the last use on another
+    /// stream may still be running (a capture cannot wait for outside work); the driver's error.
+    pub fn use_on<'b>(&'b self, stream: &'b StreamRef<'_>) -> Result<BufferUse<'b>> {
+        self.core.begin_use(stream)
     }
 
     /// Enqueues a host-to-device copy of `data` (bytes of this buffer) on `stream`.
     ///
     /// # Safety
     /// `data` must stay valid and unmodified until the copy has completed.
-    unsafe fn enqueue_copy_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
-        self.use_on(stream)?;
+    unsafe fn enqueue_copy_in(&self, stream: &StreamRef<'_>, data: &[u8]) -> Result<()> {
+        stream.not_capturing("copying from host memory")?;
+        let u = self.use_on(stream)?;
         // Async copies fail with CUDA_ERROR_INVALID_VALUE unless the stream's context is current
         // on the calling thread (measured on two H200s).
-        self.ctx.inner.bind()?;
+        self.core.ctx.inner.bind()?;
         // SAFETY: the caller keeps `data` valid until the copy completes; the device range is
-        // this allocation (callers check the length).
+        // this allocation (callers check the length), kept alive and ordered by `u`; the stream
+        // is held and not capturing.
         unsafe {
-            self.ctx.inner.driver.memcpy_htod_async(
-                self.ptr,
+            self.core.ctx.inner.driver.memcpy_htod_async(
+                u.ptr(),
                 data.as_ptr(),
                 data.len(),
                 stream.slot.raw,
             )
-        }
-    }
-
-    /// Waits for `stream` after a blocking copy, naming the capture when that is the problem.
-    fn finish_copy(&self, stream: &StreamRef) -> Result<()> {
-        match self.ctx.inner.driver.stream_synchronize(stream.slot.raw) {
-            Err(e) if e.code() == Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED) => {
-                Err(Error::CaptureInProgress(
-                    "a blocking copy cannot run while its stream is capturing".into(),
-                ))
-            }
-            r => r,
         }
     }
 
@@ -243,26 +415,66 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         }
     }
 
-    fn copy_bytes_in(&self, stream: &StreamRef, data: &[u8]) -> Result<()> {
-        // SAFETY: `data` outlives the call and the stream is synchronized before returning.
-        unsafe { self.enqueue_copy_in(stream, data)? };
-        self.finish_copy(stream)
+    fn memset32(&mut self, stream: &StreamRef<'_>, word: u32) -> Result<()> {
+        let u = self.use_on(stream)?;
+        self.core.ctx.inner.bind()?;
+        // SAFETY: the allocation holds `bytes / 4` words (callers check `bytes % 4 == 0`), kept
+        // alive and ordered by `u`; the stream is held (live). A memset into a capture becomes
+        // a node, and the capture keeps the buffer (registered by `use_on`).
+        unsafe {
+            self.core.ctx.inner.driver.memset_d32_async(
+                u.ptr(),
+                word,
+                self.core.bytes / 4,
+                stream.slot.raw,
+            )
+        }
     }
 
     /// Copies `src` into the buffer on `stream`; returns once the copy has completed.
-    pub fn copy_from_host(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
-        self.check_len(src.len(), "copy_from_host")?;
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let mut b = DeviceBuffer::<i32>::alloc(&s, 2).unwrap();
+    /// b.copy_from_host(&s, &[5, 6]).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![5, 6]);
+    /// assert!(b.copy_from_host(&s, &[1]).is_err());   // wrong length
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; [`Error::CaptureInProgress`] on a
+    /// capturing stream; as [`DeviceBuffer::use_on`]; the driver's error.
+    pub fn copy_from_host(&mut self, stream: &StreamRef<'_>, src: &[T]) -> Result<()> {
         // SAFETY: `src` outlives the call, which returns only after the copy has completed.
         unsafe { self.copy_from_host_async(stream, src)? };
-        self.finish_copy(stream)
+        stream.synchronize()
     }
 
     /// Copies the buffer into `dst` on `stream`; returns once the copy has completed.
-    pub fn copy_to_host(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let b = DeviceBuffer::from_slice(&s, &[1u64, 2]).unwrap();
+    /// let mut out = [0u64; 2];
+    /// b.copy_to_host(&s, &mut out).unwrap();
+    /// assert_eq!(out, [1, 2]);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::copy_from_host`].
+    pub fn copy_to_host(&self, stream: &StreamRef<'_>, dst: &mut [T]) -> Result<()> {
         // SAFETY: `dst` is exclusively borrowed until we return, and we return only after the
         // stream (and so the copy) has completed.
         unsafe { self.copy_to_host_async(stream, dst)? };
-        self.finish_copy(stream)
+        stream.synchronize()
     }
 
     /// Enqueues a copy of `src` into the buffer on `stream` and returns without waiting.
@@ -271,7 +483,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// `src` must stay valid and unmodified until the copy has completed on the GPU (for example
     /// until `stream.synchronize()` returns). For pageable memory the driver reads `src` before
     /// returning; for page-locked memory it reads it later.
-    pub unsafe fn copy_from_host_async(&mut self, stream: &StreamRef, src: &[T]) -> Result<()> {
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::copy_from_host`].
+    pub unsafe fn copy_from_host_async(&mut self, stream: &StreamRef<'_>, src: &[T]) -> Result<()> {
         self.check_len(src.len(), "copy_from_host")?;
         // SAFETY: T is DeviceCopy (plain data without padding), so its bytes may be read as u8;
         // the caller keeps `src` valid until the copy completes.
@@ -287,16 +502,21 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Safety
     /// `dst` must stay valid, and must be neither read nor written by the host, until the copy has
     /// completed on the GPU (for example until `stream.synchronize()` returns).
-    pub unsafe fn copy_to_host_async(&self, stream: &StreamRef, dst: &mut [T]) -> Result<()> {
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::copy_from_host`].
+    pub unsafe fn copy_to_host_async(&self, stream: &StreamRef<'_>, dst: &mut [T]) -> Result<()> {
         self.check_len(dst.len(), "copy_to_host")?;
-        self.use_on(stream)?;
-        self.ctx.inner.bind()?;
+        stream.not_capturing("copying to host memory")?;
+        let u = self.use_on(stream)?;
+        self.core.ctx.inner.bind()?;
         // SAFETY: the caller keeps `dst` valid and untouched until the copy completes; any bytes
-        // are a valid T (DeviceCopy).
+        // are a valid T (DeviceCopy); the device range is this allocation, kept alive and
+        // ordered by `u`; the stream is held and not capturing.
         unsafe {
-            self.ctx.inner.driver.memcpy_dtoh_async(
+            self.core.ctx.inner.driver.memcpy_dtoh_async(
                 dst.as_mut_ptr() as *mut u8,
-                self.ptr,
+                u.ptr(),
                 std::mem::size_of_val(dst),
                 stream.slot.raw,
             )
@@ -304,7 +524,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     /// Copies the buffer into a new vector on `stream`; returns once the copy has completed.
-    pub fn to_vec(&self, stream: &StreamRef) -> Result<Vec<T>> {
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::copy_to_host`].
+    pub fn to_vec(&self, stream: &StreamRef<'_>) -> Result<Vec<T>> {
         let mut v = Vec::with_capacity(self.len);
         // SAFETY: T is DeviceCopy: the zeroed bytes are a valid T; all of them are overwritten.
         unsafe {
@@ -316,84 +539,39 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     /// Sets every element to `value` on `stream` (asynchronously). `T` must be 4 bytes wide.
-    pub fn fill(&mut self, stream: &StreamRef, value: T) -> Result<()> {
+    /// Allowed in a capture (the graph then keeps the buffer).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let mut b = DeviceBuffer::<f32>::alloc(&s, 3).unwrap();
+    /// b.fill(&s, 1.5).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![1.5; 3]);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an element type that is not 4 bytes wide; as
+    /// [`DeviceBuffer::use_on`]; the driver's error.
+    pub fn fill(&mut self, stream: &StreamRef<'_>, value: T) -> Result<()> {
         if std::mem::size_of::<T>() != 4 {
             return Err(Error::invalid("fill needs a 4-byte element type"));
         }
-        self.use_on(stream)?;
-        self.ctx.inner.bind()?;
         // SAFETY: T is 4 bytes of plain data (checked above), so it can be read as a u32.
         let word: u32 = unsafe { std::mem::transmute_copy(&value) };
-        self.ctx
-            .inner
-            .driver
-            .memset_d32_async(self.ptr, word, self.len, stream.slot.raw)
+        self.memset32(stream, word)
     }
 
     /// The stream and generation of the last use, for tests and diagnostics: (raw stream,
-    /// generation, whether that generation is still current).
+    /// generation, whether that generation is still live).
+    ///
+    /// # Panics
+    /// Never; blocks while another thread holds a [`BufferUse`] of the buffer.
     pub fn last_use(&self) -> (crate::driver::Stream, u64, bool) {
-        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let st = last.slot.lock();
-        (
-            last.slot.raw,
-            last.gen,
-            st.generation == last.gen && !st.destroyed,
-        )
-    }
-}
-
-impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
-    fn drop(&mut self) {
-        let ci = &self.ctx.inner;
-        let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
-        let st = last.slot.lock();
-        if self.captured {
-            // The graph owns the allocation: a free during the same capture becomes the graph's
-            // free node; after the capture, a stream-ordered free (valid once the graph has run).
-            // It is tried twice and not kept for later (a later retry would be outside the graph).
-            let on = if st.generation == last.gen && !st.destroyed {
-                last.slot.raw
-            } else {
-                ci.disposal.raw
-            };
-            if ci.driver.mem_free_async(self.ptr, on).is_err() {
-                let _ = ci.driver.mem_free_async(self.ptr, on);
-            }
-            return;
-        }
-        if st.generation == last.gen && !st.destroyed {
-            if st.capturing {
-                drop(st);
-                ci.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((
-                    self.ptr,
-                    last.slot.clone(),
-                    last.gen,
-                ));
-                return;
-            }
-            if ci.driver.mem_free_async(self.ptr, last.slot.raw).is_ok() {
-                return;
-            }
-            // Dropped on a thread where another context is current? Bind and try again.
-            if ci.bind().is_ok() && ci.driver.mem_free_async(self.ptr, last.slot.raw).is_ok() {
-                return;
-            }
-            // The free could not be enqueued on the last stream: free on the disposal stream,
-            // ordered after the last use (its generation is current, so its work may be pending).
-            let _ = ci.order(last.slot.raw, ci.disposal.raw);
-        }
-        drop(st);
-        if ci.free_on_disposal(self.ptr).is_err()
-            && (ci.bind().is_err() || ci.free_on_disposal(self.ptr).is_err())
-        {
-            // Retried by the next `Context::trim`, the end of a capture, or teardown.
-            let gen = ci.disposal.lock().generation;
-            ci.deferred.lock().unwrap_or_else(|p| p.into_inner()).push((
-                self.ptr,
-                ci.disposal.clone(),
-                gen,
-            ));
-        }
+        let last = self.core.last.lock().unwrap_or_else(|p| p.into_inner());
+        let live = last.slot.lock().is_live(last.gen);
+        (last.slot.raw, last.gen, live)
     }
 }

@@ -1,7 +1,9 @@
-//! Owners: units of work that hold at most one pooled stream per priority.
+//! Owners: units of work that hold at most one pooled stream per priority. Also the
+//! [`Context`] methods that make owners (here rather than in the context module, which sits
+//! below owners in the layering).
 
 use crate::context::{Context, Priority};
-use crate::driver::{stream_flags, CaptureStatus};
+use crate::driver::stream_flags;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, Slot};
 use crate::stream::StreamRef;
@@ -31,10 +33,7 @@ impl Inner {
 /// at most one per priority, taken on first use and given back, without waiting for their work,
 /// when the owner is dropped. Concurrent owners never share a stream.
 ///
-/// The streams belong to the owner: a [`StreamRef`] kept beyond the owner's life turns stale
-/// (its operations fail with [`Error::StaleStream`]); use an [`crate::OwnedStream`] for work that
-/// outlives the owner.
-///
+/// The [`StreamRef`]s an owner hands out borrow it, so it cannot be dropped while one is in use.
 /// An owner is `Send` (move it with its task) but not `Sync`.
 ///
 /// ```
@@ -48,9 +47,11 @@ impl Inner {
 ///     assert!(!hi.same_stream(&s));             // ordered after `s` on the GPU
 /// }).unwrap();
 /// assert!(owner.stream().unwrap().same_stream(&s)); // back to the earlier stream
+/// drop(s);
 /// drop(owner);                                  // streams go back to the pool
-/// assert!(!s.is_current());
+/// assert_eq!(ctx.stats().in_use, 0);
 /// ```
+#[must_use = "an owner gives its streams back when dropped"]
 pub struct Owner {
     ctx: Context,
     flags: u32,
@@ -74,6 +75,14 @@ impl Owner {
     }
 
     /// A new owner whose streams are created with `flags` (non-blocking by default).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, driver::stream_flags, Context, Owner};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = Owner::with_flags(&ctx, stream_flags::DEFAULT);
+    /// assert_eq!(o.stream().unwrap().flags(), stream_flags::DEFAULT);
+    /// ```
     pub fn with_flags(ctx: &Context, flags: u32) -> Owner {
         let normal = ctx
             .inner
@@ -96,20 +105,28 @@ impl Owner {
     }
 
     /// The selected priority's number.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// o.set_priority(Priority::High).unwrap();
+    /// assert_eq!(o.priority(), ctx.priority_range().greatest);
+    /// ```
     pub fn priority(&self) -> i32 {
         self.inner.borrow().current
     }
 
     /// The owner's stream at its selected priority, taken from the pool on first use.
-    pub fn stream(&self) -> Result<StreamRef> {
+    ///
+    /// # Errors
+    /// The driver's error when a stream has to be created and cannot be.
+    pub fn stream(&self) -> Result<StreamRef<'_>> {
         let mut inner = self.inner.borrow_mut();
         let p = inner.current;
         let h = self.held_or_acquire(&mut inner, p)?;
-        Ok(StreamRef {
-            ctx: self.ctx.clone(),
-            slot: h.slot.clone(),
-            gen: h.gen,
-        })
+        Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None))
     }
 
     fn held_or_acquire<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
@@ -118,9 +135,9 @@ impl Owner {
         }
         let ci = &self.ctx.inner;
         let pool = ci.pool(p, self.flags);
-        let (slot, gen) = pool.acquire(ci)?;
+        let (slot, gen) = ci.acquire(&pool)?;
         inner.held.push(Held { pool, slot, gen });
-        Ok(inner.held.last().unwrap())
+        Ok(&inner.held[inner.held.len() - 1])
     }
 
     /// Selects the stream of priority `p` for subsequent work and orders it after the previously
@@ -128,32 +145,43 @@ impl Owner {
     /// GPU use nothing is created until [`Owner::stream`] is called; switching back reuses the
     /// earlier stream.
     ///
-    /// Errors, changing nothing: `p` outside the context's range ([`Error::InvalidArgument`]
-    /// naming the range), or the current stream being captured ([`Error::CaptureInProgress`]).
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// o.stream().unwrap();
+    /// o.set_priority(Priority::High).unwrap();      // a second stream, ordered after the first
+    /// assert_eq!(o.streams().len(), 2);
+    /// assert!(o.set_priority(Priority::Value(-99)).is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// Changing nothing: `p` outside the context's range ([`Error::InvalidArgument`] naming the
+    /// range), or the current stream being captured ([`Error::CaptureInProgress`]); the driver's
+    /// error when the new stream cannot be made or ordered.
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         let value = self.ctx.inner.range.resolve(p)?;
-        self.select(value, true)
+        self.select(value)
     }
 
-    fn select(&self, value: i32, ordered: bool) -> Result<()> {
+    fn select(&self, value: i32) -> Result<()> {
         let mut inner = self.inner.borrow_mut();
         if inner.current == value {
             return Ok(());
         }
-        let d = &self.ctx.inner.driver;
-        let prev = inner.find(inner.current).map(|h| h.slot.raw);
-        if let Some(prev) = prev {
-            if d.stream_is_capturing(prev)? != CaptureStatus::None {
+        if let Some(prev) = inner.find(inner.current).map(|h| h.slot.clone()) {
+            if prev.is_capturing() {
                 return Err(Error::CaptureInProgress(format!(
                     "cannot change priority from {} to {value} while the owner's stream is \
                      capturing",
                     inner.current
                 )));
             }
-            if ordered {
-                let next = self.held_or_acquire(&mut inner, value)?.slot.raw;
-                self.ctx.inner.order(prev, next)?;
-            }
+            let next = self.held_or_acquire(&mut inner, value)?.slot.clone();
+            // SAFETY: both streams are held by this owner (live), and neither is capturing:
+            // `prev` was checked, and `next` could only capture while selected.
+            unsafe { self.ctx.inner.order(&prev, &next) }?;
         }
         inner.current = value;
         Ok(())
@@ -162,6 +190,20 @@ impl Owner {
     /// Runs `f` with priority `p` selected, then restores the previous selection, ordered after
     /// `f`'s work. If `f` panics, the previous stream is selected again without ordering it after
     /// `f`'s work, and the panic continues.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let p = o.with_priority(Priority::High, || o.priority()).unwrap();
+    /// assert_eq!(p, ctx.priority_range().greatest);
+    /// assert_eq!(o.priority(), 0);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Owner::set_priority`], for the switch and for the restore (after a failed restore the
+    /// previous priority is selected all the same).
     pub fn with_priority<R>(&self, p: Priority, f: impl FnOnce() -> R) -> Result<R> {
         let before = self.priority();
         self.set_priority(p)?;
@@ -186,7 +228,7 @@ impl Owner {
         };
         let r = f();
         guard.armed = false;
-        let restored = self.select(before, true);
+        let restored = self.select(before);
         if restored.is_err() {
             self.inner.borrow_mut().current = before;
         }
@@ -194,7 +236,7 @@ impl Owner {
     }
 
     /// The streams the owner holds now: (priority, stream).
-    pub fn streams(&self) -> Vec<(i32, StreamRef)> {
+    pub fn streams(&self) -> Vec<(i32, StreamRef<'_>)> {
         self.inner
             .borrow()
             .held
@@ -202,11 +244,7 @@ impl Owner {
             .map(|h| {
                 (
                     h.pool.priority,
-                    StreamRef {
-                        ctx: self.ctx.clone(),
-                        slot: h.slot.clone(),
-                        gen: h.gen,
-                    },
+                    StreamRef::new(&self.ctx, &h.slot, h.gen, None),
                 )
             })
             .collect()
@@ -216,7 +254,7 @@ impl Owner {
 impl Drop for Owner {
     fn drop(&mut self) {
         for h in self.inner.get_mut().held.drain(..) {
-            h.pool.release(h.slot);
+            self.ctx.inner.release(&h.pool, h.slot);
         }
     }
 }
@@ -228,9 +266,9 @@ thread_local! {
     static IMPLICIT: ThreadOwners = RefCell::new(SmallVec::new());
 }
 
-pub(crate) fn with_thread_owner<R>(ctx: &Context, f: impl FnOnce(&Owner) -> R) -> Result<R> {
+fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
     let id = ctx.inner.id;
-    let owner = IMPLICIT
+    IMPLICIT
         .try_with(|m| {
             let mut m = m.borrow_mut();
             if let Some((_, o)) = m.iter().find(|(i, _)| *i == id) {
@@ -240,19 +278,91 @@ pub(crate) fn with_thread_owner<R>(ctx: &Context, f: impl FnOnce(&Owner) -> R) -
             m.push((id, o.clone()));
             o
         })
-        .map_err(|_| Error::invalid("the thread's owner is gone (thread exiting)"))?;
-    Ok(f(&owner))
+        .map_err(|_| Error::invalid("the thread's owner is gone (thread exiting)"))
 }
 
-/// Retires the calling thread's implicit owner of `ctx` now, instead of at thread exit.
+impl Context {
+    /// A new explicit owner at normal priority.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// assert!(!a.stream().unwrap().same_stream(&b.stream().unwrap()));
+    /// ```
+    pub fn owner(&self) -> Owner {
+        Owner::new(self)
+    }
+
+    /// Runs `f` with the calling thread's implicit owner of this context (created on first use,
+    /// retired when the thread exits or at [`end_thread_owner`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let s = ctx.stream().unwrap();                  // the thread's stream
+    /// let same = ctx.with_thread_owner(|o| s.same_stream(&o.stream().unwrap())).unwrap();
+    /// assert!(same);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when called while the thread is exiting.
+    pub fn with_thread_owner<R>(&self, f: impl FnOnce(&Owner) -> R) -> Result<R> {
+        let owner = thread_owner(self)?;
+        Ok(f(&owner))
+    }
+
+    /// The current stream of the calling thread's implicit owner. The reference keeps that
+    /// owner alive: its streams go back to the pool once the thread has exited (or called
+    /// [`end_thread_owner`]) and every such reference is dropped.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let s = ctx.stream().unwrap();
+    /// s.synchronize().unwrap();
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Owner::stream`]; [`Error::InvalidArgument`] while the thread is exiting.
+    pub fn stream(&self) -> Result<StreamRef<'static>> {
+        let owner = thread_owner(self)?;
+        let (slot, gen) = {
+            let s = owner.stream()?;
+            (s.slot.clone(), s.gen)
+        };
+        // The reference's holder is the owner it keeps alive, not a borrow: hence `'static`.
+        Ok(StreamRef::new(
+            self,
+            &slot,
+            gen,
+            Some(owner as Rc<dyn std::any::Any>),
+        ))
+    }
+
+    /// Selects the priority of the calling thread's implicit owner (see [`Owner::set_priority`]).
+    ///
+    /// # Errors
+    /// As [`Owner::set_priority`].
+    pub fn set_priority(&self, p: Priority) -> Result<()> {
+        self.with_thread_owner(|o| o.set_priority(p))?
+    }
+}
+
+/// Retires the calling thread's implicit owner of `ctx` now, instead of at thread exit (its
+/// streams go back once no [`Context::stream`] reference keeps it).
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
 /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
 /// # let ctx = Context::primary(drv, 0).unwrap();
-/// let s = ctx.stream().unwrap();
+/// ctx.stream().unwrap();
+/// assert_eq!(ctx.stats().in_use, 1);
 /// cuda_stream_pool::end_thread_owner(&ctx);
-/// assert!(!s.is_current());
+/// assert_eq!(ctx.stats().in_use, 0);
 /// ```
 pub fn end_thread_owner(ctx: &Context) {
     let id = ctx.inner.id;

@@ -1,4 +1,5 @@
-//! The stream pool of one context and one (priority, flags) key.
+//! The stream pool of one context and one (priority, flags) key. The lowest layer above the
+//! driver: it knows streams, generations and the driver, nothing of owners, memory or capture.
 //!
 //! Retired streams wait in small per-shard lists (`SmallVec`s behind `CachePadded` mutexes). A
 //! thread releases into and acquires from its home shard, so threads that recycle their own
@@ -7,22 +8,27 @@
 //! this path depends on the number of live owners: owners hold their streams outside the pool.
 //!
 //! A retired stream is handed to a new owner only when `cuStreamQuery` says its work has completed;
-//! a busy one is skipped, never waited for. Queries run in relaxed capture mode so that they can
-//! never invalidate a capture that another thread runs in global mode.
+//! a busy one is skipped, never waited for, and one that a capture guard of the crate still
+//! captures (a guard leaked with `mem::forget`) is never queried nor handed out. Every query runs
+//! in relaxed capture mode, so that it can never invalidate a capture of any thread.
 
-use crate::capture::CaptureModeGuard;
-use crate::context::CtxInner;
-use crate::driver::{CaptureMode, Driver, Stream};
+use crate::driver::{CaptureModeGuard, Driver, Stream};
 use crate::error::Result;
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
+use std::any::Any;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Idle streams kept per (priority, flags) key; idle streams beyond this are destroyed the next
-/// time the pool is searched.
+/// Idle streams kept per (priority, flags) key. A release that leaves more retired streams
+/// than this destroys idle ones until at most this many remain; a stream still busy when it is
+/// released is destroyed by the next release or acquire of its key once it is idle.
 pub const MAX_IDLE: usize = 32;
+
+/// A resource that a capture on this stream uses and that the resulting graph must keep alive
+/// (the memory layer's buffers); opaque at this layer.
+pub(crate) type CapturedUse = Arc<dyn Any + Send + Sync>;
 
 /// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
 /// never by its handle value (handles are reused after destroy).
@@ -32,8 +38,8 @@ pub(crate) struct Slot {
     pub(crate) priority: i32,
     pub(crate) flags: u32,
     state: Mutex<SlotState>,
-    /// A copy of (generation, held, destroyed), written under the lock, read without it by
-    /// [`Slot::is_current`] (the advisory check of stream handles on the hot path).
+    /// A copy of (generation, capturing, held, destroyed), written under the lock, read without
+    /// it by [`Slot::is_current`] and [`Slot::is_capturing`].
     word: AtomicU64,
 }
 
@@ -44,8 +50,8 @@ fn word(st: &SlotState) -> u64 {
         | u64::from(st.destroyed)
 }
 
-/// The locked state of a slot. Changes to the generation, `held` and `destroyed` go through its
-/// methods, which keep the slot's lock-free copy in step.
+/// The locked state of a slot. Changes to the generation, `held`, `capturing` and `destroyed`
+/// go through its methods, which keep the slot's lock-free copy in step.
 pub(crate) struct SlotGuard<'a> {
     slot: &'a Slot,
     st: MutexGuard<'a, SlotState>,
@@ -64,7 +70,7 @@ impl SlotGuard<'_> {
     }
 
     /// Hands the stream to a new owner: bumps the generation; returns it.
-    pub(crate) fn hand_over(&mut self) -> u64 {
+    fn hand_over(&mut self) -> u64 {
         self.st.generation += 1;
         self.st.held = true;
         self.publish();
@@ -72,40 +78,76 @@ impl SlotGuard<'_> {
     }
 
     /// The owner is gone (the generation stays: its work may still be pending).
-    pub(crate) fn retire(&mut self) {
+    fn retire(&mut self) {
         self.st.held = false;
         self.publish();
     }
 
-    /// The stream is destroyed (or about to be): bumps the generation.
+    /// The stream is destroyed (or about to be): bumps the generation. Only for a stream whose
+    /// work has completed: a buffer whose last use was on it then frees without ordering.
     pub(crate) fn destroy(&mut self) {
         self.st.generation += 1;
         self.st.destroyed = true;
         self.publish();
     }
 
-    /// Whether a capture guard of this crate captures the stream.
-    pub(crate) fn set_capturing(&mut self, on: bool) {
-        self.st.capturing = on;
+    /// A capture guard of the crate begins capturing the stream.
+    pub(crate) fn begin_capture(&mut self) {
+        self.st.capturing = true;
+        self.st.captured.clear();
         self.publish();
+    }
+
+    /// The capture ended: returns what it used, for the graph to keep.
+    pub(crate) fn end_capture(&mut self) -> Vec<CapturedUse> {
+        self.st.capturing = false;
+        self.publish();
+        std::mem::take(&mut self.st.captured)
+    }
+
+    /// Records that the capture in progress uses `r` (once per object).
+    pub(crate) fn add_captured(&mut self, r: CapturedUse) {
+        if !self.st.captured.iter().any(|x| Arc::ptr_eq(x, &r)) {
+            self.st.captured.push(r);
+        }
+    }
+
+    /// Whether generation `gen` of the stream is live: not recycled, not destroyed. Work of a
+    /// live generation may still be pending; work of an earlier one has completed.
+    pub(crate) fn is_live(&self, gen: u64) -> bool {
+        self.st.generation == gen && !self.st.destroyed
     }
 }
 
-/// What the stream's lock guards: the generation and whether the stream still exists. The
-/// generation is bumped on every hand-over and on destroy, under this lock, so a free that checks
-/// the generation and enqueues while holding the lock cannot race with a hand-over.
-#[derive(Debug, Default)]
+/// What the stream's lock guards. The generation is bumped on every hand-over and on destroy,
+/// under this lock, so a free that checks the generation and enqueues while holding the lock
+/// cannot race with a hand-over.
+#[derive(Default)]
 pub(crate) struct SlotState {
     pub(crate) generation: u64,
     pub(crate) destroyed: bool,
     /// Set while a capture guard of this crate captures the stream.
     pub(crate) capturing: bool,
-    /// Whether an owner (or an `OwnedStream`) holds the stream; cleared on release so that stale
-    /// handles are noticed before the next hand-over.
+    /// Whether an owner (or an `OwnedStream`) holds the stream.
     pub(crate) held: bool,
+    /// What the capture in progress uses (see [`CapturedUse`]).
+    captured: Vec<CapturedUse>,
+}
+
+impl std::fmt::Debug for SlotState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotState")
+            .field("generation", &self.generation)
+            .field("destroyed", &self.destroyed)
+            .field("capturing", &self.capturing)
+            .field("held", &self.held)
+            .field("captured", &self.captured.len())
+            .finish()
+    }
 }
 
 impl Slot {
+    /// A slot for a stream just created and held by its creator (generation 1).
     pub(crate) fn new(raw: Stream, priority: i32, flags: u32) -> Slot {
         let st = SlotState {
             generation: 1,
@@ -129,18 +171,24 @@ impl Slot {
     }
 
     /// Whether generation `gen` is still held (not retired, recycled or destroyed), without the
-    /// lock. Advisory: the answer can change right after.
+    /// lock: a diagnostic, never a safety check.
     pub(crate) fn is_current(&self, gen: u64) -> bool {
         self.word.load(Ordering::Acquire) & !0b100 == (gen << 3) | 0b10
     }
 
-    /// Whether a capture guard of this crate captures the stream, without the lock (advisory).
+    /// Whether a capture guard of this crate captures the stream, without the lock. Exact for
+    /// the thread that holds the stream (only it can begin or end a capture of it).
     pub(crate) fn is_capturing(&self) -> bool {
         self.word.load(Ordering::Acquire) & 0b100 != 0
     }
 }
 
 /// Counters of one pool or of a whole context ([`crate::Context::stats`]).
+///
+/// `live`, `in_use`, `created` and `destroyed` come from counters; `idle` and `retired_busy`
+/// from the pool's lists and a query of each retired stream. At a quiescent point (no thread in
+/// the crate) `live == in_use + idle + retired_busy`, which checks the counters against the
+/// lists. Under concurrent use each figure is a momentary reading that never underflows.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
@@ -154,13 +202,13 @@ impl Slot {
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Streams alive: held by owners plus retired.
+    /// Streams alive: created minus destroyed.
     pub live: u64,
     /// Retired streams whose work has completed (ready for a new owner).
     pub idle: u64,
-    /// Retired streams with work still pending.
+    /// Retired streams with work still pending (or still captured by a leaked guard).
     pub retired_busy: u64,
-    /// Streams held by owners.
+    /// Streams held by owners: acquisitions minus releases.
     pub in_use: u64,
     /// Streams created by the pool.
     pub created: u64,
@@ -170,7 +218,7 @@ pub struct PoolStats {
     pub hits: u64,
     /// Acquisitions that had to create a stream.
     pub misses: u64,
-    /// Idle streams destroyed because more than [`MAX_IDLE`] were idle.
+    /// Idle streams destroyed because more than [`MAX_IDLE`] were retired.
     pub trimmed: u64,
 }
 
@@ -191,13 +239,14 @@ impl std::ops::Add for PoolStats {
     }
 }
 
-/// One shard: its retired streams, and the hit/miss counters of the threads whose home it is
-/// (counted here rather than in shared atomics, so that threads never write a common line).
+/// One shard: its retired streams, and the counters of the threads whose home it is (counted
+/// here rather than in shared atomics, so that threads never write a common line).
 #[derive(Default)]
 struct ShardData {
     list: Mutex<SmallVec<[Arc<Slot>; 8]>>,
     hits: AtomicU64,
     misses: AtomicU64,
+    releases: AtomicU64,
 }
 
 type Shard = CachePadded<ShardData>;
@@ -223,7 +272,7 @@ thread_local! {
 }
 
 fn home_index() -> usize {
-    HOME.with(|h| {
+    HOME.try_with(|h| {
         let mut v = h.get();
         if v == usize::MAX {
             v = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
@@ -231,11 +280,21 @@ fn home_index() -> usize {
         }
         v
     })
+    // A thread in its exit (thread-local destructors) has no home: any shard will do.
+    .unwrap_or(0)
 }
 
 fn shard_count() -> usize {
     let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
     (cpus * 2).clamp(4, 64).next_power_of_two()
+}
+
+/// Whether a retired stream can be handed out or destroyed: not captured by a leaked guard, and
+/// its work completed. A failed query (a sticky error) counts as busy: never a guess.
+fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+    // SAFETY: the slot's stream is not destroyed (`destroyed` is false under the lock we hold,
+    // and streams are destroyed only under it).
+    !st.capturing && !st.destroyed && unsafe { driver.stream_query(slot.raw) }.unwrap_or(false)
 }
 
 impl Pool {
@@ -263,14 +322,17 @@ impl Pool {
     }
 
     /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
-    /// generation; creates one (with the context made current) when none qualifies. Searches the
-    /// calling thread's home shard first, then the others; never waits for a busy stream.
-    pub(crate) fn acquire(&self, ctx: &CtxInner) -> Result<(Arc<Slot>, u64)> {
-        let driver = &*ctx.driver;
+    /// generation; otherwise creates one, after `bind` (which makes the context current).
+    /// Searches the calling thread's home shard first, then the others; never waits for a busy
+    /// stream.
+    pub(crate) fn acquire(
+        &self,
+        driver: &dyn Driver,
+        bind: impl FnOnce() -> Result<()>,
+    ) -> Result<(Arc<Slot>, u64)> {
         let home = home_index();
         if self.retired.load(Ordering::Acquire) > 0 {
-            // Queries on behalf of the pool must never invalidate another thread's capture.
-            let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
+            let _relaxed = CaptureModeGuard::relaxed(driver)?;
             let mut found = None;
             for i in 0..self.shards.len() {
                 found = self.take_from(driver, home.wrapping_add(i));
@@ -282,28 +344,24 @@ impl Pool {
                 self.trim_excess(driver);
             }
             if let Some(found) = found {
-                self.home(home).hits.fetch_add(1, Ordering::Relaxed);
+                self.home(home).hits.fetch_add(1, Ordering::Release);
                 return Ok(found);
             }
         }
-        // Only creating a stream needs the context to be current on this thread.
-        ctx.bind()?;
+        bind()?;
         let raw = driver.stream_create(self.flags, self.priority)?;
-        self.home(home).misses.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
-        Ok((slot, 1))
+        self.home(home).misses.fetch_add(1, Ordering::Release);
+        Ok((Arc::new(Slot::new(raw, self.priority, self.flags)), 1))
     }
 
-    /// Searches one shard: takes the first retired stream whose work has completed, in the
-    /// order they were retired (the oldest is the likeliest to be done).
+    /// Searches one shard: takes the first retired stream that is idle, in the order they were
+    /// retired (the oldest is the likeliest to be done).
     fn take_from(&self, driver: &dyn Driver, index: usize) -> Option<(Arc<Slot>, u64)> {
         let mut list = self.shard(index);
         for i in 0..list.len() {
             let slot = list[i].clone();
             let mut st = slot.lock();
-            // A failed query (a stream left capturing by a dropped owner, a sticky error) counts
-            // as busy: the stream is never handed out on a guess.
-            if !driver.stream_query(slot.raw).unwrap_or(false) {
+            if !is_idle(driver, &slot, &st) {
                 continue;
             }
             let gen = st.hand_over();
@@ -315,75 +373,83 @@ impl Pool {
         None
     }
 
-    /// Destroys retired streams whose work has completed until at most [`MAX_IDLE`] remain.
+    /// Destroys retired streams that are idle until at most [`MAX_IDLE`] remain. The caller runs
+    /// it in relaxed capture mode.
     fn trim_excess(&self, driver: &dyn Driver) {
         for i in 0..self.shards.len() {
+            if self.retired.load(Ordering::Acquire) <= MAX_IDLE {
+                return;
+            }
             let mut list = self.shard(i);
             let mut j = 0;
             while j < list.len() && self.retired.load(Ordering::Acquire) > MAX_IDLE {
-                let slot = list[j].clone();
-                let mut st = slot.lock();
-                if !driver.stream_query(slot.raw).unwrap_or(false) {
+                if self
+                    .destroy_if_idle(driver, &list[j], false)
+                    .unwrap_or(false)
+                {
+                    list.remove(j);
+                    self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
+                } else {
                     j += 1;
-                    continue;
                 }
-                if driver.stream_destroy(slot.raw).is_err() {
-                    // Keep it: a later search retries, and teardown waits and retries.
-                    j += 1;
-                    continue;
-                }
-                st.destroy();
-                drop(st);
-                list.remove(j);
-                self.retired.fetch_sub(1, Ordering::AcqRel);
-                self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
-                self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
-            }
-            if self.retired.load(Ordering::Acquire) <= MAX_IDLE {
-                return;
             }
         }
     }
 
-    /// Takes back a stream from an owner that is gone, without waiting for its work.
-    pub(crate) fn release(&self, slot: Arc<Slot>) {
-        slot.lock().retire();
-        self.shard(home_index()).push(slot);
-        self.retired.fetch_add(1, Ordering::AcqRel);
+    /// Destroys a retired stream if it is idle (with `wait`, after waiting for its work).
+    /// Returns whether it did; the caller removes it from its list.
+    fn destroy_if_idle(&self, driver: &dyn Driver, slot: &Arc<Slot>, wait: bool) -> Result<bool> {
+        let mut st = slot.lock();
+        if wait && !st.capturing && !st.destroyed {
+            // SAFETY: the stream is live (not destroyed, under the lock).
+            unsafe { driver.stream_synchronize(slot.raw) }?;
+        }
+        if !is_idle(driver, slot, &st) {
+            return Ok(false);
+        }
+        // SAFETY: the stream is live, retired (no owner), idle and not captured; after the
+        // generation bump below nothing enqueues on it (frees check `destroyed` under the lock).
+        unsafe { driver.stream_destroy(slot.raw) }?;
+        st.destroy();
+        self.retired.fetch_sub(1, Ordering::AcqRel);
+        self.counters.destroyed.fetch_add(1, Ordering::Release);
+        Ok(true)
     }
 
-    /// Destroys every retired stream whose work has completed; with `wait`, first waits for
-    /// the others. Returns how many were destroyed.
+    /// Takes back a stream from an owner that is gone, without waiting for its work; then, if
+    /// more than [`MAX_IDLE`] streams are retired, destroys idle ones.
+    pub(crate) fn release(&self, driver: &dyn Driver, slot: Arc<Slot>) {
+        slot.lock().retire();
+        let home = home_index();
+        self.shard(home).push(slot);
+        self.home(home).releases.fetch_add(1, Ordering::Release);
+        if self.retired.fetch_add(1, Ordering::AcqRel) >= MAX_IDLE {
+            if let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) {
+                self.trim_excess(driver);
+            }
+        }
+    }
+
+    /// Destroys every retired stream that is idle; with `wait`, first waits for the others.
+    /// Returns how many were destroyed. The caller runs it in relaxed capture mode.
     pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool) -> Result<usize> {
-        let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed)?;
         let mut n = 0;
         let mut first_err = None;
         for i in 0..self.shards.len() {
             let mut list = self.shard(i);
             let mut j = 0;
             while j < list.len() {
-                let slot = list[j].clone();
-                let mut st = slot.lock();
-                let idle = if wait {
-                    driver.stream_synchronize(slot.raw).is_ok()
-                } else {
-                    driver.stream_query(slot.raw).unwrap_or(false)
-                };
-                if !idle {
-                    j += 1;
-                    continue;
+                match self.destroy_if_idle(driver, &list[j], wait) {
+                    Ok(true) => {
+                        list.remove(j);
+                        n += 1;
+                    }
+                    Ok(false) => j += 1,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        j += 1;
+                    }
                 }
-                if let Err(e) = driver.stream_destroy(slot.raw) {
-                    first_err.get_or_insert(e);
-                    j += 1;
-                    continue;
-                }
-                st.destroy();
-                n += 1;
-                self.counters.destroyed.fetch_add(1, Ordering::Relaxed);
-                drop(st);
-                list.remove(j);
-                self.retired.fetch_sub(1, Ordering::AcqRel);
             }
         }
         match first_err {
@@ -392,51 +458,50 @@ impl Pool {
         }
     }
 
-    /// Streams alive (held and retired), from the counters alone: no driver call.
-    pub(crate) fn live(&self) -> u64 {
-        let created: u64 = self
-            .shards
+    fn sum(&self, f: fn(&ShardData) -> &AtomicU64) -> u64 {
+        self.shards
             .iter()
-            .map(|s| s.misses.load(Ordering::Relaxed))
-            .sum();
-        created - self.counters.destroyed.load(Ordering::Relaxed)
+            .map(|s| f(s).load(Ordering::Acquire))
+            .sum()
+    }
+
+    /// Streams alive (held and retired), from the counters alone: no driver call. `destroyed` is
+    /// read first: a stream is counted as created before it can be destroyed, so the difference
+    /// never underflows.
+    pub(crate) fn live(&self) -> u64 {
+        let destroyed = self.counters.destroyed.load(Ordering::Acquire);
+        self.sum(|s| &s.misses).saturating_sub(destroyed)
     }
 
     /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
-        let _relaxed = CaptureModeGuard::new(driver, CaptureMode::Relaxed).ok();
+        let _relaxed = CaptureModeGuard::relaxed(driver).ok();
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
-                if driver.stream_query(slot.raw).unwrap_or(false) {
+                if is_idle(driver, slot, &slot.lock()) {
                     idle += 1;
                 } else {
                     busy += 1;
                 }
             }
         }
-        let c = &self.counters;
-        let sum = |f: fn(&ShardData) -> &AtomicU64| -> u64 {
-            self.shards
-                .iter()
-                .map(|s| f(s).load(Ordering::Relaxed))
-                .sum()
-        };
-        let (hits, misses) = (sum(|s| &s.hits), sum(|s| &s.misses));
-        let created = misses;
-        let destroyed = c.destroyed.load(Ordering::Relaxed);
-        let live = created - destroyed;
+        // Releases before acquisitions and destroys before creations: each later reading is at
+        // least what the earlier one implies, so no difference underflows.
+        let releases = self.sum(|s| &s.releases);
+        let destroyed = self.counters.destroyed.load(Ordering::Acquire);
+        let (hits, misses) = (self.sum(|s| &s.hits), self.sum(|s| &s.misses));
         PoolStats {
-            live,
+            live: misses.saturating_sub(destroyed),
             idle,
             retired_busy: busy,
-            in_use: live.saturating_sub(idle + busy),
-            created,
+            in_use: (hits + misses).saturating_sub(releases),
+            created: misses,
             destroyed,
             hits,
             misses,
-            trimmed: c.trimmed.load(Ordering::Relaxed),
+            trimmed: self.counters.trimmed.load(Ordering::Relaxed),
         }
     }
 }

@@ -1,19 +1,24 @@
-//! Stream handles: [`StreamRef`], an owner's (or an [`OwnedStream`]'s) stream, and
-//! [`OwnedStream`], a plain stream outside the pool.
+//! Stream handles: [`StreamRef`], a borrowed handle to an owner's (or an [`OwnedStream`]'s)
+//! stream, and [`OwnedStream`], a plain stream outside the pool.
+//!
+//! A `StreamRef<'a>` borrows what holds the stream, so the holder cannot be dropped (and the
+//! stream cannot go back to the pool) while a reference is in use: that is checked by the
+//! compiler, not at run time. It is neither `Send` nor `Sync`: the stream's capture state is
+//! only ever changed by the one thread that holds it.
 
 use crate::context::{Context, Priority};
-use crate::driver::{self, stream_flags, HostFn};
+use crate::driver::{self, stream_flags, CaptureModeGuard, HostFn};
 use crate::error::{Error, Result};
 use crate::pool::Slot;
+use std::any::Any;
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::rc::Rc;
 use std::sync::Arc;
 
-/// A handle to a stream of the crate, valid for one generation of the stream.
-///
-/// An owner's stream belongs to the owner: once the owner is dropped, the stream goes back to the
-/// pool and may be handed to someone else. The handle notices: every operation through it returns
-/// [`Error::StaleStream`] after that (check with [`StreamRef::is_current`]). The raw handle from
-/// [`StreamRef::raw`] cannot be checked; do not use it beyond the owner's life. Work that must
-/// outlive its owner belongs on an [`OwnedStream`].
+/// A handle to a stream of the crate, borrowed from the [`crate::Owner`] (or [`OwnedStream`])
+/// that holds it: the holder cannot be dropped while the handle lives, so every operation acts on
+/// a stream that nobody else owns.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
@@ -22,17 +27,41 @@ use std::sync::Arc;
 /// let owner = ctx.owner();
 /// let s = owner.stream().unwrap();
 /// s.synchronize().unwrap();
-/// drop(owner);
-/// assert_eq!(s.synchronize(), Err(cuda_stream_pool::Error::StaleStream));
+/// ```
+///
+/// A stream reference cannot outlive its owner:
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// drop(owner);                 // error: `owner` is borrowed by `s`
+/// s.synchronize().unwrap();
+/// ```
+///
+/// nor change threads:
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// std::thread::scope(|sc| { sc.spawn(|| s.synchronize()); });
 /// ```
 #[derive(Clone)]
-pub struct StreamRef {
+pub struct StreamRef<'a> {
     pub(crate) ctx: Context,
     pub(crate) slot: Arc<Slot>,
     pub(crate) gen: u64,
+    /// Keeps the thread's implicit owner alive for a `StreamRef<'static>` of it.
+    _keep: Option<Rc<dyn Any>>,
+    _holder: PhantomData<&'a Cell<()>>,
 }
 
-impl std::fmt::Debug for StreamRef {
+impl std::fmt::Debug for StreamRef<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamRef")
             .field("raw", &self.slot.raw)
@@ -42,9 +71,27 @@ impl std::fmt::Debug for StreamRef {
     }
 }
 
-impl StreamRef {
-    /// The raw `CUstream`, for launching with other crates. Valid while the owner holds the
-    /// stream (or the [`OwnedStream`] lives).
+impl<'a> StreamRef<'a> {
+    /// A reference to a stream held by something that `'a` borrows (or that `keep` keeps alive).
+    pub(crate) fn new(
+        ctx: &Context,
+        slot: &Arc<Slot>,
+        gen: u64,
+        keep: Option<Rc<dyn Any>>,
+    ) -> Self {
+        StreamRef {
+            ctx: ctx.clone(),
+            slot: slot.clone(),
+            gen,
+            _keep: keep,
+            _holder: PhantomData,
+        }
+    }
+
+    /// The raw `CUstream`, for launching with other crates. Using it is `unsafe` (every raw
+    /// driver call is): it is valid while this reference's holder holds the stream, and work
+    /// enqueued through it must not use the crate's buffers unless a [`crate::BufferUse`] of them
+    /// is alive, nor leave the stream capturing.
     pub fn raw(&self) -> driver::Stream {
         self.slot.raw
     }
@@ -64,39 +111,64 @@ impl StreamRef {
         self.slot.flags
     }
 
-    /// The generation this handle was made for.
+    /// The generation of the stream this reference holds (bumped each time the pool hands the
+    /// stream to a new owner).
     pub fn generation(&self) -> u64 {
         self.gen
     }
 
-    /// Whether the stream still belongs to the owner this handle came from.
+    /// Whether the stream still belongs to the holder this handle came from (always, while the
+    /// handle exists; kept for diagnostics).
     pub fn is_current(&self) -> bool {
         self.slot.is_current(self.gen)
     }
 
     /// Whether two handles name the same stream (by object, never by handle value).
-    pub fn same_stream(&self, other: &StreamRef) -> bool {
+    pub fn same_stream(&self, other: &StreamRef<'_>) -> bool {
         Arc::ptr_eq(&self.slot, &other.slot)
     }
 
-    pub(crate) fn check(&self) -> Result<()> {
-        if self.is_current() {
-            Ok(())
-        } else {
-            Err(Error::StaleStream)
+    pub(crate) fn not_capturing(&self, what: &str) -> Result<()> {
+        if self.slot.is_capturing() {
+            return Err(Error::CaptureInProgress(format!(
+                "{what} is not possible while the stream is capturing"
+            )));
         }
+        Ok(())
     }
 
-    /// Blocks until the stream's work has completed.
+    /// Blocks until the stream's work has completed. Runs in relaxed capture mode, so it
+    /// invalidates no other thread's capture.
+    ///
+    /// # Errors
+    /// [`Error::CaptureInProgress`] while the stream is capturing (the capture is left intact);
+    /// the driver's error otherwise.
     pub fn synchronize(&self) -> Result<()> {
-        self.check()?;
-        self.ctx.inner.driver.stream_synchronize(self.slot.raw)
+        self.not_capturing("synchronizing")?;
+        let d = &*self.ctx.inner.driver;
+        let _relaxed = CaptureModeGuard::relaxed(d)?;
+        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        unsafe { d.stream_synchronize(self.slot.raw) }
     }
 
-    /// Whether the stream's work has completed.
+    /// Whether the stream's work has completed. Runs in relaxed capture mode.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// assert!(owner.stream().unwrap().query().unwrap());   // nothing enqueued yet
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::CaptureInProgress`] while the stream is capturing; the driver's error otherwise.
     pub fn query(&self) -> Result<bool> {
-        self.check()?;
-        self.ctx.inner.driver.stream_query(self.slot.raw)
+        self.not_capturing("querying")?;
+        let d = &*self.ctx.inner.driver;
+        let _relaxed = CaptureModeGuard::relaxed(d)?;
+        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        unsafe { d.stream_query(self.slot.raw) }
     }
 
     /// Orders later work on this stream after the work enqueued so far on `other` (event record
@@ -110,82 +182,137 @@ impl StreamRef {
     /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
     /// sb.wait_for(&sa).unwrap();                      // sb's later work runs after sa's
     /// ```
-    pub fn wait_for(&self, other: &StreamRef) -> Result<()> {
-        self.check()?;
-        other.check()?;
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for streams of different contexts;
+    /// [`Error::CaptureInProgress`] when either stream is capturing (on the real driver the wait
+    /// would pull this stream into the capture, or invalidate it); the driver's error otherwise.
+    pub fn wait_for(&self, other: &StreamRef<'_>) -> Result<()> {
         if !self.ctx.same(&other.ctx) {
             return Err(Error::invalid("streams of different contexts"));
         }
-        self.ctx.inner.order(other.slot.raw, self.slot.raw)
+        self.not_capturing("waiting for another stream")?;
+        other.not_capturing("waiting for a capturing stream")?;
+        // SAFETY: both streams are held by the holders these references borrow, and neither is
+        // capturing (checked above; only their holders' threads could begin one).
+        unsafe { self.ctx.inner.order(&other.slot, &self.slot) }
     }
 
-    /// Enqueues a host function; it runs on a driver thread once earlier work has completed and
-    /// must not call the driver.
+    /// Enqueues a host function; it runs on a driver thread once earlier work has completed. It
+    /// must not call the driver (the real driver refuses, or deadlocks), and should not block:
+    /// all host functions of a context share one driver thread.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let (tx, rx) = std::sync::mpsc::channel();
+    /// s.launch_host_func(move || tx.send(42).unwrap()).unwrap();
+    /// s.synchronize().unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 42);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::CaptureInProgress`] while the stream is capturing: a captured host function
+    /// would run on every launch of the graph with the same data. The driver's error otherwise.
     pub fn launch_host_func(&self, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        self.check()?;
+        self.not_capturing("launching a host function")?;
         let f: HostFn = Box::new(f);
-        self.ctx.inner.driver.launch_host_func(self.slot.raw, f)
+        // SAFETY: the stream is held (live) and not capturing; only this thread, which holds
+        // it, could begin a capture.
+        unsafe { self.ctx.inner.driver.launch_host_func(self.slot.raw, f) }
     }
 
-    /// Whether the stream is being captured (`cuStreamIsCapturing`).
+    /// Whether the stream is being captured (`cuStreamIsCapturing`; allowed during capture).
+    ///
+    /// # Errors
+    /// The driver's error.
     pub fn is_capturing(&self) -> Result<bool> {
-        self.check()?;
-        Ok(
-            self.ctx.inner.driver.stream_is_capturing(self.slot.raw)?
-                != driver::CaptureStatus::None,
-        )
+        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        let st = unsafe { self.ctx.inner.driver.stream_is_capturing(self.slot.raw) }?;
+        Ok(st != driver::CaptureStatus::None)
     }
 }
 
 /// A stream of your own, outside the pool: for work that must outlive any owner. Synchronized
-/// and destroyed when dropped.
+/// (in relaxed capture mode) and destroyed when dropped. `Send`, not `Sync`: only the thread that
+/// has it can take [`StreamRef`]s of it, so its capture state has one writer.
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, OwnedStream, Priority};
 /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
 /// let ctx = Context::primary(drv, 0).unwrap();
 /// let s = OwnedStream::new(&ctx, Priority::High).unwrap();
-/// assert_eq!(s.priority(), ctx.priority_range().greatest);
+/// assert_eq!(s.stream().priority(), ctx.priority_range().greatest);
 /// ```
 #[derive(Debug)]
+#[must_use = "the stream is synchronized and destroyed when dropped"]
 pub struct OwnedStream {
-    stream: StreamRef,
+    ctx: Context,
+    slot: Arc<Slot>,
+    _not_sync: PhantomData<Cell<()>>,
 }
 
 impl OwnedStream {
     /// Creates a non-blocking stream of the given priority.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a priority outside the context's range; the driver's error.
     pub fn new(ctx: &Context, priority: Priority) -> Result<OwnedStream> {
         Self::with_flags(ctx, priority, stream_flags::NON_BLOCKING)
     }
 
     /// Creates a stream with explicit flags.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, driver::stream_flags, Context, OwnedStream, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let s = OwnedStream::with_flags(&ctx, Priority::Normal, stream_flags::DEFAULT).unwrap();
+    /// assert_eq!(s.stream().flags(), stream_flags::DEFAULT);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a priority outside the context's range; the driver's error.
     pub fn with_flags(ctx: &Context, priority: Priority, flags: u32) -> Result<OwnedStream> {
         let p = ctx.inner.range.resolve(priority)?;
         ctx.inner.bind()?;
         let raw = ctx.inner.driver.stream_create(flags, p)?;
         Ok(OwnedStream {
-            stream: StreamRef {
-                ctx: ctx.clone(),
-                slot: Arc::new(Slot::new(raw, p, flags)),
-                gen: 1,
-            },
+            ctx: ctx.clone(),
+            slot: Arc::new(Slot::new(raw, p, flags)),
+            _not_sync: PhantomData,
         })
     }
-}
 
-impl std::ops::Deref for OwnedStream {
-    type Target = StreamRef;
-    fn deref(&self) -> &StreamRef {
-        &self.stream
+    /// A reference to the stream, valid while the `OwnedStream` lives.
+    pub fn stream(&self) -> StreamRef<'_> {
+        StreamRef::new(&self.ctx, &self.slot, 1, None)
     }
 }
 
 impl Drop for OwnedStream {
     fn drop(&mut self) {
-        let d = &self.stream.ctx.inner.driver;
-        let mut st = self.stream.slot.lock();
-        let _ = d.stream_synchronize(self.stream.slot.raw);
+        let d = &*self.ctx.inner.driver;
+        let Ok(_relaxed) = CaptureModeGuard::relaxed(d) else {
+            return; // leaked: destroying without waiting could free memory under its work
+        };
+        let mut st = self.slot.lock();
+        if st.capturing {
+            // A capture guard was leaked (`mem::forget`): the stream is kept, never destroyed
+            // while captured.
+            return;
+        }
+        // SAFETY: the stream is ours and live; no guard captures it (a guard borrows us).
+        if unsafe { d.stream_synchronize(self.slot.raw) }.is_err() {
+            // Its work did not complete: keep the stream (buffers last used on it still free
+            // on it, ordered), rather than let them free unordered on the disposal stream.
+            return;
+        }
         st.destroy();
-        let _ = d.stream_destroy(self.stream.slot.raw);
+        // SAFETY: idle, and after the generation bump nothing enqueues on it.
+        let _ = unsafe { d.stream_destroy(self.slot.raw) };
     }
 }

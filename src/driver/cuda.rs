@@ -185,7 +185,7 @@ impl Driver for CudaDriver {
         Ok(Context(handle(c)))
     }
 
-    fn primary_ctx_release(&self, dev: Device) -> Result<()> {
+    unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
         let f = sym!(self.cuDevicePrimaryCtxRelease_v2);
         // SAFETY: plain value argument; releases one retain made by primary_ctx_retain.
         self.check(
@@ -202,7 +202,7 @@ impl Driver for CudaDriver {
         Ok(Context(handle(c)))
     }
 
-    fn ctx_set_current(&self, ctx: Context) -> Result<()> {
+    unsafe fn ctx_set_current(&self, ctx: Context) -> Result<()> {
         let f = sym!(self.cuCtxSetCurrent);
         // SAFETY: the handle came from the driver (or is null, which unbinds).
         self.check(unsafe { f(ptr(ctx.0)) }, "cuCtxSetCurrent")
@@ -244,13 +244,13 @@ impl Driver for CudaDriver {
         Ok(Stream(handle(s)))
     }
 
-    fn stream_destroy(&self, stream: Stream) -> Result<()> {
+    unsafe fn stream_destroy(&self, stream: Stream) -> Result<()> {
         let f = sym!(self.cuStreamDestroy_v2);
         // SAFETY: the caller passes a stream it created and no longer uses.
         self.check(unsafe { f(ptr(stream.0)) }, "cuStreamDestroy_v2")
     }
 
-    fn stream_query(&self, stream: Stream) -> Result<bool> {
+    unsafe fn stream_query(&self, stream: Stream) -> Result<bool> {
         let f = sym!(self.cuStreamQuery);
         // SAFETY: value argument; the driver validates the handle.
         let r = unsafe { f(ptr(stream.0)) };
@@ -260,13 +260,13 @@ impl Driver for CudaDriver {
         self.check(r, "cuStreamQuery").map(|_| true)
     }
 
-    fn stream_synchronize(&self, stream: Stream) -> Result<()> {
+    unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()> {
         let f = sym!(self.cuStreamSynchronize);
         // SAFETY: value argument.
         self.check(unsafe { f(ptr(stream.0)) }, "cuStreamSynchronize")
     }
 
-    fn stream_priority(&self, stream: Stream) -> Result<i32> {
+    unsafe fn stream_priority(&self, stream: Stream) -> Result<i32> {
         let f = sym!(self.cuStreamGetPriority);
         let mut p: c_int = 0;
         // SAFETY: out-parameter is a live local.
@@ -274,7 +274,7 @@ impl Driver for CudaDriver {
         Ok(p)
     }
 
-    fn stream_flags(&self, stream: Stream) -> Result<u32> {
+    unsafe fn stream_flags(&self, stream: Stream) -> Result<u32> {
         let f = sym!(self.cuStreamGetFlags);
         let mut v: c_uint = 0;
         // SAFETY: out-parameter is a live local.
@@ -282,7 +282,7 @@ impl Driver for CudaDriver {
         Ok(v)
     }
 
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
         let f = sym!(self.cuStreamWaitEvent);
         // SAFETY: value arguments; flags must be 0.
         self.check(
@@ -299,13 +299,13 @@ impl Driver for CudaDriver {
         Ok(Event(handle(e)))
     }
 
-    fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
         let f = sym!(self.cuEventRecord);
         // SAFETY: value arguments.
         self.check(unsafe { f(ptr(event.0), ptr(stream.0)) }, "cuEventRecord")
     }
 
-    fn event_query(&self, event: Event) -> Result<bool> {
+    unsafe fn event_query(&self, event: Event) -> Result<bool> {
         let f = sym!(self.cuEventQuery);
         // SAFETY: value argument.
         let r = unsafe { f(ptr(event.0)) };
@@ -315,19 +315,19 @@ impl Driver for CudaDriver {
         self.check(r, "cuEventQuery").map(|_| true)
     }
 
-    fn event_synchronize(&self, event: Event) -> Result<()> {
+    unsafe fn event_synchronize(&self, event: Event) -> Result<()> {
         let f = sym!(self.cuEventSynchronize);
         // SAFETY: value argument.
         self.check(unsafe { f(ptr(event.0)) }, "cuEventSynchronize")
     }
 
-    fn event_destroy(&self, event: Event) -> Result<()> {
+    unsafe fn event_destroy(&self, event: Event) -> Result<()> {
         let f = sym!(self.cuEventDestroy_v2);
         // SAFETY: the caller passes an event it created and no longer uses.
         self.check(unsafe { f(ptr(event.0)) }, "cuEventDestroy_v2")
     }
 
-    fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+    unsafe fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
         let f = sym!(self.cuMemAllocAsync);
         let mut p: ffi::CUdeviceptr = 0;
         // SAFETY: out-parameter is a live local.
@@ -338,7 +338,7 @@ impl Driver for CudaDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_alloc_from_pool_async(
+    unsafe fn mem_alloc_from_pool_async(
         &self,
         bytes: usize,
         pool: MemPool,
@@ -354,7 +354,7 @@ impl Driver for CudaDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_free_async(&self, p: DevicePtr, stream: Stream) -> Result<()> {
+    unsafe fn mem_free_async(&self, p: DevicePtr, stream: Stream) -> Result<()> {
         let f = sym!(self.cuMemFreeAsync);
         // SAFETY: the caller frees an allocation it owns, once; the GPU orders the free after the
         // stream's earlier work.
@@ -372,7 +372,12 @@ impl Driver for CudaDriver {
         Ok(MemPool(handle(p)))
     }
 
-    fn mem_pool_set_attribute(&self, pool: MemPool, attr: MemPoolAttr, value: u64) -> Result<()> {
+    unsafe fn mem_pool_set_attribute(
+        &self,
+        pool: MemPool,
+        attr: MemPoolAttr,
+        value: u64,
+    ) -> Result<()> {
         let f = sym!(self.cuMemPoolSetAttribute);
         let mut v: u64 = value;
         // SAFETY: the attributes this crate names all take a cuuint64_t, which `v` is.
@@ -388,7 +393,7 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
+    unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
         let f = sym!(self.cuMemPoolGetAttribute);
         let mut v: u64 = 0;
         // SAFETY: as for set: each named attribute is a cuuint64_t written into `v`.
@@ -413,7 +418,7 @@ impl Driver for CudaDriver {
         Ok((free, total))
     }
 
-    fn memset_d32_async(
+    unsafe fn memset_d32_async(
         &self,
         dst: DevicePtr,
         value: u32,
@@ -459,7 +464,7 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
         let f = sym!(self.cuStreamBeginCapture_v2);
         // SAFETY: value arguments.
         self.check(
@@ -468,7 +473,7 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
+    unsafe fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
         let f = sym!(self.cuStreamEndCapture);
         let mut g: ffi::CUgraph = std::ptr::null_mut();
         // SAFETY: out-parameter is a live local.
@@ -483,7 +488,7 @@ impl Driver for CudaDriver {
         Ok(Graph(handle(g)))
     }
 
-    fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
         let f = sym!(self.cuStreamIsCapturing);
         let mut st = ffi::CUstreamCaptureStatus(0);
         // SAFETY: out-parameter is a live local.
@@ -491,7 +496,7 @@ impl Driver for CudaDriver {
         Ok(Self::status(st))
     }
 
-    fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
+    unsafe fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
         let f = sym!(self.cuStreamGetCaptureInfo_v3);
         let mut st = ffi::CUstreamCaptureStatus(0);
         let mut id: ffi::cuuint64_t = 0;
@@ -521,7 +526,7 @@ impl Driver for CudaDriver {
         Ok(CaptureMode::from_raw(m.0).unwrap_or(CaptureMode::Global))
     }
 
-    fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
+    unsafe fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
         let f = sym!(self.cuGraphInstantiateWithFlags);
         let mut e: ffi::CUgraphExec = std::ptr::null_mut();
         // SAFETY: out-parameter is a live local; flags 0.
@@ -532,31 +537,31 @@ impl Driver for CudaDriver {
         Ok(GraphExec(handle(e)))
     }
 
-    fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
         let f = sym!(self.cuGraphLaunch);
         // SAFETY: value arguments.
         self.check(unsafe { f(ptr(exec.0), ptr(stream.0)) }, "cuGraphLaunch")
     }
 
-    fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+    unsafe fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
         let f = sym!(self.cuGraphUpload);
         // SAFETY: value arguments.
         self.check(unsafe { f(ptr(exec.0), ptr(stream.0)) }, "cuGraphUpload")
     }
 
-    fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
         let f = sym!(self.cuGraphExecDestroy);
         // SAFETY: the caller owns the executable graph and no longer uses it.
         self.check(unsafe { f(ptr(exec.0)) }, "cuGraphExecDestroy")
     }
 
-    fn graph_destroy(&self, graph: Graph) -> Result<()> {
+    unsafe fn graph_destroy(&self, graph: Graph) -> Result<()> {
         let f = sym!(self.cuGraphDestroy);
         // SAFETY: the caller owns the graph and no longer uses it.
         self.check(unsafe { f(ptr(graph.0)) }, "cuGraphDestroy")
     }
 
-    fn graph_node_count(&self, graph: Graph) -> Result<usize> {
+    unsafe fn graph_node_count(&self, graph: Graph) -> Result<usize> {
         let f = sym!(self.cuGraphGetNodes);
         let mut n: usize = 0;
         // SAFETY: a null node array asks only for the count, written into the live local `n`.
@@ -578,7 +583,7 @@ impl Driver for CudaDriver {
         Ok(Module(handle(m)))
     }
 
-    fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
+    unsafe fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
         let f = sym!(self.cuModuleGetFunction);
         let mut k: ffi::CUfunction = std::ptr::null_mut();
         // SAFETY: out-parameter is a live local; `name` is NUL-terminated.
@@ -589,7 +594,7 @@ impl Driver for CudaDriver {
         Ok(Function(handle(k)))
     }
 
-    fn module_unload(&self, module: Module) -> Result<()> {
+    unsafe fn module_unload(&self, module: Module) -> Result<()> {
         let f = sym!(self.cuModuleUnload);
         // SAFETY: the caller owns the module and no longer launches its functions.
         self.check(unsafe { f(ptr(module.0)) }, "cuModuleUnload")
@@ -627,7 +632,7 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+    unsafe fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
         let launch = sym!(self.cuLaunchHostFunc);
         let data = Box::into_raw(Box::new(f)) as *mut c_void;
         // SAFETY: the trampoline takes back the box exactly once when the driver runs it; on a

@@ -163,9 +163,22 @@ impl DeviceAttr {
 /// the stream's earlier work has completed and must not call the driver.
 pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 
-/// The driver API subset, with safe signatures where the operation cannot break memory safety by
-/// itself. Every method returns the driver's error as [`crate::Error::Driver`] (code, name,
-/// entry point), or [`crate::Error::MissingSymbol`] when the loaded driver lacks the entry point.
+/// The driver API subset. Methods that take a raw handle of a stream, event, graph, module,
+/// memory pool or device allocation are `unsafe fn`: the driver cannot check that a handle is
+/// live (an event query on a destroyed event segfaults on the H200), so each states what its
+/// handles must be in a `# Safety` section. Methods that take no such handle (creating streams
+/// and events, loading modules, device queries, the thread's capture mode) are safe. Every
+/// method returns the driver's error as [`crate::Error::Driver`] (code, name, entry point), or
+/// [`crate::Error::MissingSymbol`] when the loaded driver lacks the entry point.
+///
+/// A raw-handle call does not compile without `unsafe`:
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// ctx.driver().stream_destroy(ctx.disposal_stream()).unwrap(); // error: unsafe call
+/// ```
 ///
 /// Methods that create resources or synchronize the context act on the calling thread's current
 /// context ([`Driver::ctx_set_current`]).
@@ -189,11 +202,17 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuDevicePrimaryCtxRetain`.
     fn primary_ctx_retain(&self, dev: Device) -> Result<Context>;
     /// `cuDevicePrimaryCtxRelease_v2`.
-    fn primary_ctx_release(&self, dev: Device) -> Result<()>;
+    ///
+    /// # Safety
+    /// `dev` must have been retained with [`Driver::primary_ctx_retain`] by the caller, once per release, and nothing may use the context after its last release.
+    unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()>;
     /// `cuCtxGetCurrent`; [`Context::NULL`] when none is current.
     fn ctx_get_current(&self) -> Result<Context>;
     /// `cuCtxSetCurrent`.
-    fn ctx_set_current(&self, ctx: Context) -> Result<()>;
+    ///
+    /// # Safety
+    /// `ctx` must be a live context of this driver (or null).
+    unsafe fn ctx_set_current(&self, ctx: Context) -> Result<()>;
     /// `cuCtxGetDevice` of the current context.
     fn ctx_get_device(&self) -> Result<Device>;
     /// `cuCtxSynchronize` of the current context.
@@ -204,51 +223,104 @@ pub trait Driver: Send + Sync + 'static {
     /// `cuStreamCreateWithPriority` (the driver clamps the priority into the range).
     fn stream_create(&self, flags: u32, priority: i32) -> Result<Stream>;
     /// `cuStreamDestroy_v2`.
-    fn stream_destroy(&self, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver that nothing (no pool, owner or capture) uses afterwards.
+    unsafe fn stream_destroy(&self, stream: Stream) -> Result<()>;
     /// `cuStreamQuery`: `Ok(true)` when all work has completed, `Ok(false)` for
     /// `CUDA_ERROR_NOT_READY`.
-    fn stream_query(&self, stream: Stream) -> Result<bool>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver (or null).
+    unsafe fn stream_query(&self, stream: Stream) -> Result<bool>;
     /// `cuStreamSynchronize`.
-    fn stream_synchronize(&self, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver (or null).
+    unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()>;
     /// `cuStreamGetPriority`.
-    fn stream_priority(&self, stream: Stream) -> Result<i32>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_priority(&self, stream: Stream) -> Result<i32>;
     /// `cuStreamGetFlags`.
-    fn stream_flags(&self, stream: Stream) -> Result<u32>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_flags(&self, stream: Stream) -> Result<u32>;
     /// `cuStreamWaitEvent`: later work on `stream` waits for the event's last record.
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
+    ///
+    /// # Safety
+    /// `stream` and `event` must be live handles of this driver.
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
 
     /// `cuEventCreate`.
     fn event_create(&self, flags: u32) -> Result<Event>;
     /// `cuEventRecord`.
-    fn event_record(&self, event: Event, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `event` and `stream` must be live handles of this driver.
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> Result<()>;
     /// `cuEventQuery`: `Ok(true)` when the recorded work has completed.
-    fn event_query(&self, event: Event) -> Result<bool>;
+    ///
+    /// # Safety
+    /// `event` must be a live event of this driver (a destroyed one segfaults on the H200).
+    unsafe fn event_query(&self, event: Event) -> Result<bool>;
     /// `cuEventSynchronize`.
-    fn event_synchronize(&self, event: Event) -> Result<()>;
+    ///
+    /// # Safety
+    /// `event` must be a live event of this driver.
+    unsafe fn event_synchronize(&self, event: Event) -> Result<()>;
     /// `cuEventDestroy_v2`.
-    fn event_destroy(&self, event: Event) -> Result<()>;
+    ///
+    /// # Safety
+    /// `event` must be a live event of this driver that nothing uses afterwards.
+    unsafe fn event_destroy(&self, event: Event) -> Result<()>;
 
     /// `cuMemAllocAsync`.
-    fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver; the memory must be freed, ordered after its last use.
+    unsafe fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr>;
     /// `cuMemAllocFromPoolAsync`.
-    fn mem_alloc_from_pool_async(
+    ///
+    /// # Safety
+    /// `pool` and `stream` must be live handles of this driver.
+    unsafe fn mem_alloc_from_pool_async(
         &self,
         bytes: usize,
         pool: MemPool,
         stream: Stream,
     ) -> Result<DevicePtr>;
     /// `cuMemFreeAsync`.
-    fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `ptr` must be a live stream-ordered allocation, freed once, and every use of it must be ordered before the free on `stream`, a live stream.
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()>;
     /// `cuDeviceGetDefaultMemPool`.
     fn device_default_mem_pool(&self, dev: Device) -> Result<MemPool>;
     /// `cuMemPoolSetAttribute` with a 64-bit value.
-    fn mem_pool_set_attribute(&self, pool: MemPool, attr: MemPoolAttr, value: u64) -> Result<()>;
+    ///
+    /// # Safety
+    /// `pool` must be a live memory pool of this driver.
+    unsafe fn mem_pool_set_attribute(
+        &self,
+        pool: MemPool,
+        attr: MemPoolAttr,
+        value: u64,
+    ) -> Result<()>;
     /// `cuMemPoolGetAttribute` with a 64-bit value.
-    fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64>;
+    ///
+    /// # Safety
+    /// `pool` must be a live memory pool of this driver.
+    unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64>;
     /// `cuMemGetInfo_v2`: (free, total) bytes.
     fn mem_get_info(&self) -> Result<(usize, usize)>;
     /// `cuMemsetD32Async`: `count` 32-bit words.
-    fn memset_d32_async(
+    ///
+    /// # Safety
+    /// `dst` must be a device allocation of at least `4 * count` bytes that stays live until the memset has run, and `stream` a live stream.
+    unsafe fn memset_d32_async(
         &self,
         dst: DevicePtr,
         value: u32,
@@ -281,34 +353,70 @@ pub trait Driver: Send + Sync + 'static {
     ) -> Result<()>;
 
     /// `cuStreamBeginCapture_v2`.
-    fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()>;
     /// `cuStreamEndCapture`.
-    fn stream_end_capture(&self, stream: Stream) -> Result<Graph>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_end_capture(&self, stream: Stream) -> Result<Graph>;
     /// `cuStreamIsCapturing`.
-    fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus>;
     /// `cuStreamGetCaptureInfo_v3`: status and the capture's unique id.
-    fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver.
+    unsafe fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)>;
     /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's mode, returns the old one.
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode>;
     /// `cuGraphInstantiateWithFlags` with no flags.
-    fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec>;
+    ///
+    /// # Safety
+    /// `graph` must be a live graph of this driver.
+    unsafe fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec>;
     /// `cuGraphLaunch`.
-    fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `exec` and `stream` must be live handles, and every resource the graph uses (memory, host data) must stay valid until the launch has run.
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()>;
     /// `cuGraphUpload`.
-    fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()>;
+    ///
+    /// # Safety
+    /// `exec` and `stream` must be live handles of this driver.
+    unsafe fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()>;
     /// `cuGraphExecDestroy`.
-    fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()>;
+    ///
+    /// # Safety
+    /// `exec` must be a live executable graph that nothing uses afterwards.
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()>;
     /// `cuGraphDestroy`.
-    fn graph_destroy(&self, graph: Graph) -> Result<()>;
+    ///
+    /// # Safety
+    /// `graph` must be a live graph that nothing uses afterwards.
+    unsafe fn graph_destroy(&self, graph: Graph) -> Result<()>;
     /// `cuGraphGetNodes` with no output array: the number of nodes.
-    fn graph_node_count(&self, graph: Graph) -> Result<usize>;
+    ///
+    /// # Safety
+    /// `graph` must be a live graph of this driver.
+    unsafe fn graph_node_count(&self, graph: Graph) -> Result<usize>;
 
     /// `cuModuleLoadData` from a NUL-terminated PTX image.
     fn module_load_data(&self, image: &CStr) -> Result<Module>;
     /// `cuModuleGetFunction`.
-    fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function>;
+    ///
+    /// # Safety
+    /// `module` must be a live module of this driver.
+    unsafe fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function>;
     /// `cuModuleUnload`.
-    fn module_unload(&self, module: Module) -> Result<()>;
+    ///
+    /// # Safety
+    /// `module` must be a live module whose functions are no longer launched.
+    unsafe fn module_unload(&self, module: Module) -> Result<()>;
     /// `cuLaunchKernel`.
     ///
     /// # Safety
@@ -325,7 +433,10 @@ pub trait Driver: Send + Sync + 'static {
     ) -> Result<()>;
     /// `cuLaunchHostFunc`: runs `f` after the stream's earlier work. If the launch fails, `f` is
     /// dropped without running.
-    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()>;
+    ///
+    /// # Safety
+    /// `stream` must be a live stream that is not being captured: a host function captured into a graph runs on every launch with the same data, and `f` is freed after its first run.
+    unsafe fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()>;
 }
 
 /// Which driver [`load`] should return.
@@ -368,5 +479,72 @@ pub fn load(choice: Choice) -> Result<(Arc<dyn Driver>, Option<crate::Error>)> {
             Ok(d) => Ok((d, None)),
             Err(e) => Ok((Arc::new(SimDriver::new()), Some(e))),
         },
+    }
+}
+
+/// Sets the calling thread's capture mode (`cuThreadExchangeStreamCaptureMode`) and restores the
+/// previous mode when dropped. Capture modes are per thread, so the guard is neither `Send` nor
+/// `Sync`: it restores the mode of the thread that set it.
+///
+/// ```
+/// use cuda_stream_pool::{driver::{self, CaptureMode}, CaptureModeGuard};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// {
+///     let g = CaptureModeGuard::new(&*drv, CaptureMode::Relaxed).unwrap();
+///     assert_eq!(g.previous(), CaptureMode::Global);
+/// }
+/// assert_eq!(drv.thread_exchange_capture_mode(CaptureMode::Global).unwrap(), CaptureMode::Global);
+/// ```
+///
+/// ```compile_fail
+/// # use cuda_stream_pool::{driver::{self, CaptureMode}, CaptureModeGuard};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let g = CaptureModeGuard::new(&*drv, CaptureMode::Relaxed).unwrap();
+/// std::thread::scope(|s| { s.spawn(move || drop(g)); }); // a mode guard cannot change threads
+/// ```
+#[must_use = "the previous mode is restored when the guard is dropped"]
+pub struct CaptureModeGuard<'d> {
+    driver: &'d dyn Driver,
+    previous: CaptureMode,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for CaptureModeGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureModeGuard")
+            .field("previous", &self.previous)
+            .finish()
+    }
+}
+
+impl<'d> CaptureModeGuard<'d> {
+    /// Switches the calling thread to `mode`.
+    pub fn new(driver: &'d dyn Driver, mode: CaptureMode) -> Result<Self> {
+        let previous = driver.thread_exchange_capture_mode(mode)?;
+        Ok(CaptureModeGuard {
+            driver,
+            previous,
+            _thread: std::marker::PhantomData,
+        })
+    }
+
+    /// Switches the calling thread to relaxed mode, in which no call of this thread can
+    /// invalidate a capture (its own or another thread's). Every query, synchronization,
+    /// allocation and free that the crate makes runs under one.
+    pub fn relaxed(driver: &'d dyn Driver) -> Result<Self> {
+        Self::new(driver, CaptureMode::Relaxed)
+    }
+
+    /// The mode that will be restored.
+    pub fn previous(&self) -> CaptureMode {
+        self.previous
+    }
+}
+
+impl Drop for CaptureModeGuard<'_> {
+    fn drop(&mut self) {
+        // Restoring cannot fail on a live driver; if it did, the thread stays relaxed, which
+        // invalidates no capture.
+        let _ = self.driver.thread_exchange_capture_mode(self.previous);
     }
 }

@@ -458,24 +458,32 @@ impl SimDriver {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The calling thread's driver state. A thread in its exit, after its thread-locals are
+    /// gone (an implicit owner dropped last), is in global mode with no current context, as a
+    /// fresh thread would be on the real driver.
     fn thread(&self) -> ThreadState {
-        THREAD.with(|t| {
-            *t.borrow_mut().entry(self.id).or_insert(ThreadState {
+        THREAD
+            .try_with(|t| {
+                *t.borrow_mut().entry(self.id).or_insert(ThreadState {
+                    mode: CaptureMode::Global,
+                    ctx: 0,
+                })
+            })
+            .unwrap_or(ThreadState {
                 mode: CaptureMode::Global,
                 ctx: 0,
             })
-        })
     }
 
     fn set_thread(&self, f: impl FnOnce(&mut ThreadState)) {
-        THREAD.with(|t| {
+        let _ = THREAD.try_with(|t| {
             let mut m = t.borrow_mut();
             let e = m.entry(self.id).or_insert(ThreadState {
                 mode: CaptureMode::Global,
                 ctx: 0,
             });
             f(e)
-        })
+        });
     }
 
     fn lat(&self) -> Option<&Latency> {
@@ -1177,7 +1185,7 @@ impl Driver for SimDriver {
         Ok(Context(ctx))
     }
 
-    fn primary_ctx_release(&self, dev: Device) -> Result<()> {
+    unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
         let mut st = self.enter("cuDevicePrimaryCtxRelease_v2", None, None, None)?;
         let ctx = st.primary.get(&dev.0).copied();
         match ctx.and_then(|c| st.contexts.get_mut(&c)) {
@@ -1201,7 +1209,7 @@ impl Driver for SimDriver {
         Ok(Context(self.thread().ctx))
     }
 
-    fn ctx_set_current(&self, ctx: Context) -> Result<()> {
+    unsafe fn ctx_set_current(&self, ctx: Context) -> Result<()> {
         let mut st = self.enter("cuCtxSetCurrent", None, None, None)?;
         if !ctx.is_null() && !st.contexts.contains_key(&ctx.0) {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_CONTEXT, "cuCtxSetCurrent");
@@ -1285,7 +1293,7 @@ impl Driver for SimDriver {
         Ok(Stream(id))
     }
 
-    fn stream_destroy(&self, stream: Stream) -> Result<()> {
+    unsafe fn stream_destroy(&self, stream: Stream) -> Result<()> {
         self.cost(|l| l.stream_destroy);
         let mut st = self.enter("cuStreamDestroy_v2", Some(stream), None, None)?;
         if stream.is_null() {
@@ -1326,7 +1334,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn stream_query(&self, stream: Stream) -> Result<bool> {
+    unsafe fn stream_query(&self, stream: Stream) -> Result<bool> {
         self.cost(|l| l.query);
         let mut st = self.enter("cuStreamQuery", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamQuery")?;
@@ -1336,7 +1344,7 @@ impl Driver for SimDriver {
         Ok(st.streams[&stream.0].queue.is_empty())
     }
 
-    fn stream_synchronize(&self, stream: Stream) -> Result<()> {
+    unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()> {
         let mut st = self.enter("cuStreamSynchronize", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamSynchronize")?;
         Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
@@ -1346,19 +1354,19 @@ impl Driver for SimDriver {
         })
     }
 
-    fn stream_priority(&self, stream: Stream) -> Result<i32> {
+    unsafe fn stream_priority(&self, stream: Stream) -> Result<i32> {
         let mut st = self.enter("cuStreamGetPriority", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamGetPriority")?;
         Ok(st.streams[&stream.0].priority)
     }
 
-    fn stream_flags(&self, stream: Stream) -> Result<u32> {
+    unsafe fn stream_flags(&self, stream: Stream) -> Result<u32> {
         let mut st = self.enter("cuStreamGetFlags", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamGetFlags")?;
         Ok(st.streams[&stream.0].flags)
     }
 
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
         self.cost(|l| l.event);
         let mut st = self.enter("cuStreamWaitEvent", Some(stream), Some(event), None)?;
         Self::check_stream(&mut st, stream, "cuStreamWaitEvent")?;
@@ -1395,7 +1403,7 @@ impl Driver for SimDriver {
         Ok(Event(id))
     }
 
-    fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
         self.cost(|l| l.event);
         let mut st = self.enter("cuEventRecord", Some(stream), Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventRecord")?;
@@ -1425,7 +1433,7 @@ impl Driver for SimDriver {
         )
     }
 
-    fn event_query(&self, event: Event) -> Result<bool> {
+    unsafe fn event_query(&self, event: Event) -> Result<bool> {
         self.cost(|l| l.query);
         let mut st = self.enter("cuEventQuery", None, Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventQuery")?;
@@ -1435,7 +1443,7 @@ impl Driver for SimDriver {
         Ok(e.is_done(e.recorded))
     }
 
-    fn event_synchronize(&self, event: Event) -> Result<()> {
+    unsafe fn event_synchronize(&self, event: Event) -> Result<()> {
         let mut st = self.enter("cuEventSynchronize", None, Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventSynchronize")?;
         self.unsafe_call(&mut st, "cuEventSynchronize")?;
@@ -1445,7 +1453,7 @@ impl Driver for SimDriver {
         })
     }
 
-    fn event_destroy(&self, event: Event) -> Result<()> {
+    unsafe fn event_destroy(&self, event: Event) -> Result<()> {
         let mut st = self.enter("cuEventDestroy_v2", None, Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventDestroy_v2")?;
         st.events.remove(&event.0);
@@ -1453,7 +1461,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+    unsafe fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
         let n = self.lock().pool_streams;
         self.cost(|l| l.alloc + l.alloc_per_stream * n);
         let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
@@ -1510,7 +1518,7 @@ impl Driver for SimDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_alloc_from_pool_async(
+    unsafe fn mem_alloc_from_pool_async(
         &self,
         bytes: usize,
         pool: MemPool,
@@ -1529,7 +1537,7 @@ impl Driver for SimDriver {
         self.mem_alloc_async(bytes, stream)
     }
 
-    fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         self.cost(|l| l.alloc);
         let mut st = self.enter("cuMemFreeAsync", Some(stream), None, Some(ptr))?;
         Self::check_stream(&mut st, stream, "cuMemFreeAsync")?;
@@ -1577,7 +1585,12 @@ impl Driver for SimDriver {
         Ok(MemPool(1))
     }
 
-    fn mem_pool_set_attribute(&self, pool: MemPool, attr: MemPoolAttr, value: u64) -> Result<()> {
+    unsafe fn mem_pool_set_attribute(
+        &self,
+        pool: MemPool,
+        attr: MemPoolAttr,
+        value: u64,
+    ) -> Result<()> {
         let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
         if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
             return Self::fail(
@@ -1590,7 +1603,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
+    unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
         let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
         if pool.0 != 1 {
             return Self::fail(
@@ -1617,7 +1630,7 @@ impl Driver for SimDriver {
         ))
     }
 
-    fn memset_d32_async(
+    unsafe fn memset_d32_async(
         &self,
         dst: DevicePtr,
         value: u32,
@@ -1693,7 +1706,7 @@ impl Driver for SimDriver {
         )
     }
 
-    fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
         let mut st = self.enter("cuStreamBeginCapture_v2", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamBeginCapture_v2")?;
         if stream.is_null() {
@@ -1723,7 +1736,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
+    unsafe fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
         let mut st = self.enter("cuStreamEndCapture", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamEndCapture")?;
         let me = std::thread::current().id();
@@ -1766,11 +1779,11 @@ impl Driver for SimDriver {
         Ok(Graph(id))
     }
 
-    fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
         self.stream_capture_info(stream).map(|(s, _)| s)
     }
 
-    fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
+    unsafe fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
         let mut st = self.enter("cuStreamGetCaptureInfo_v3", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamGetCaptureInfo_v3")?;
         Ok(match st.streams[&stream.0].capture.as_ref() {
@@ -1790,7 +1803,7 @@ impl Driver for SimDriver {
         Ok(old)
     }
 
-    fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
+    unsafe fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
         let mut st = self.enter("cuGraphInstantiateWithFlags", None, None, None)?;
         let Some(g) = st.graphs.get(&graph.0).cloned() else {
             return Self::fail(
@@ -1805,7 +1818,7 @@ impl Driver for SimDriver {
         Ok(GraphExec(id))
     }
 
-    fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
         self.cost(|l| l.launch);
         let mut st = self.enter("cuGraphLaunch", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuGraphLaunch")?;
@@ -1816,7 +1829,7 @@ impl Driver for SimDriver {
         self.enqueue(&mut st, stream, OpKind::Graph(g), dur, "cuGraphLaunch")
     }
 
-    fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+    unsafe fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
         let mut st = self.enter("cuGraphUpload", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuGraphUpload")?;
         if !st.execs.contains_key(&exec.0) {
@@ -1825,7 +1838,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
         let mut st = self.enter("cuGraphExecDestroy", None, None, None)?;
         if st.execs.remove(&exec.0).is_none() {
             Self::note_misuse(
@@ -1842,7 +1855,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn graph_destroy(&self, graph: Graph) -> Result<()> {
+    unsafe fn graph_destroy(&self, graph: Graph) -> Result<()> {
         let mut st = self.enter("cuGraphDestroy", None, None, None)?;
         let Some(ops) = st.graphs.remove(&graph.0) else {
             Self::note_misuse(&mut st, format!("destroy of unknown graph {:#x}", graph.0));
@@ -1860,7 +1873,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn graph_node_count(&self, graph: Graph) -> Result<usize> {
+    unsafe fn graph_node_count(&self, graph: Graph) -> Result<usize> {
         let mut st = self.enter("cuGraphGetNodes", None, None, None)?;
         match st.graphs.get(&graph.0) {
             Some(g) => Ok(g.len()),
@@ -1880,7 +1893,7 @@ impl Driver for SimDriver {
         Ok(Module(id))
     }
 
-    fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
+    unsafe fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
         let mut st = self.enter("cuModuleGetFunction", None, None, None)?;
         if !st.modules.contains_key(&module.0) {
             return Self::fail(
@@ -1897,7 +1910,7 @@ impl Driver for SimDriver {
         Ok(Function(id))
     }
 
-    fn module_unload(&self, module: Module) -> Result<()> {
+    unsafe fn module_unload(&self, module: Module) -> Result<()> {
         let mut st = self.enter("cuModuleUnload", None, None, None)?;
         if st.modules.remove(&module.0).is_none() {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleUnload");
@@ -1964,7 +1977,7 @@ impl Driver for SimDriver {
         )
     }
 
-    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+    unsafe fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
         self.cost(|l| l.launch);
         let mut st = self.enter("cuLaunchHostFunc", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuLaunchHostFunc")?;
