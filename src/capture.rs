@@ -22,8 +22,8 @@
 //! [`StreamRef::begin_capture_with`] to get CUDA's default. Either way the crate's own queries,
 //! synchronizations, allocations and frees run in relaxed mode and invalidate no capture.
 
-use crate::context::Context;
-use crate::driver::{self, CaptureMode, CaptureStatus};
+use crate::context::{off_host_fn_thread, Context};
+use crate::driver::{self, CaptureMode, CaptureModeGuard, CaptureStatus};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::launch_with_uses;
 use crate::pool::CapturedUse;
@@ -113,7 +113,9 @@ impl<'a> StreamRef<'a> {
                 .driver
                 .stream_begin_capture(self.slot.raw, mode)
         }?;
-        st.begin_capture();
+        let stale = st.begin_capture();
+        drop(st);
+        drop(stale);
         Ok(CaptureGuard {
             stream: self.clone(),
             done: false,
@@ -189,6 +191,9 @@ impl<'a> CaptureGuard<'a> {
         if r.is_ok() || status() == Ok(false) {
             uses = self.stream.slot.lock().end_capture();
             ci.flush_deferred();
+        } else {
+            // The driver may still be capturing: the stream stays flagged (the pool never hands
+            // it out) until a later begin on it succeeds.
         }
         (r, uses)
     }
@@ -211,9 +216,12 @@ impl<'a> CaptureGuard<'a> {
 impl Drop for CaptureGuard<'_> {
     fn drop(&mut self) {
         if !self.done {
-            if let (Ok(g), _) = self.finish() {
-                // SAFETY: the graph was just returned by the driver and is not used elsewhere.
-                let _ = unsafe { self.stream.ctx.inner.driver.graph_destroy(g) };
+            if let (Ok(raw), uses) = self.finish() {
+                drop(Graph {
+                    ctx: self.stream.ctx.clone(),
+                    raw,
+                    uses,
+                });
             }
         }
     }
@@ -221,6 +229,7 @@ impl Drop for CaptureGuard<'_> {
 
 /// A captured graph; destroyed when dropped. It keeps alive the buffers its work uses. See
 /// [`CaptureGuard`] for an example.
+#[must_use = "a graph is destroyed when dropped"]
 pub struct Graph {
     ctx: Context,
     raw: driver::Graph,
@@ -269,8 +278,14 @@ impl Graph {
 
 impl Drop for Graph {
     fn drop(&mut self) {
-        // SAFETY: the graph is ours; nothing uses it after this.
-        let _ = unsafe { self.ctx.inner.driver.graph_destroy(self.raw) };
+        let (ctx, raw, uses) = (self.ctx.clone(), self.raw, std::mem::take(&mut self.uses));
+        off_host_fn_thread(move || {
+            let d = &*ctx.inner.driver;
+            let _relaxed = CaptureModeGuard::relaxed(d);
+            // SAFETY: the graph is ours; nothing uses it after this.
+            let _ = unsafe { d.graph_destroy(raw) };
+            drop(uses);
+        });
     }
 }
 
@@ -363,8 +378,14 @@ impl GraphExec {
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
-        // SAFETY: the exec is ours; a launch in flight completes (the driver frees it then).
-        // The buffers (`uses`) are dropped after this, their frees ordered after the launches.
-        let _ = unsafe { self.ctx.inner.driver.graph_exec_destroy(self.raw) };
+        let (ctx, raw, uses) = (self.ctx.clone(), self.raw, std::mem::take(&mut self.uses));
+        off_host_fn_thread(move || {
+            let d = &*ctx.inner.driver;
+            let _relaxed = CaptureModeGuard::relaxed(d);
+            // SAFETY: the exec is ours; a launch in flight completes (the driver frees it
+            // then). The buffers are dropped after this, their frees ordered after the launches.
+            let _ = unsafe { d.graph_exec_destroy(raw) };
+            drop(uses);
+        });
     }
 }

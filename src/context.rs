@@ -66,7 +66,10 @@ impl PriorityRange {
         match p {
             Priority::Low => Ok(self.least),
             Priority::High => Ok(self.greatest),
-            Priority::Normal => Ok(0.clamp(self.greatest, self.least)),
+            // CUDA's default, 0, when the range has it (it has on every NVIDIA GPU), else the
+            // least priority (no `clamp`: it panics on a reversed range, which is public data).
+            Priority::Normal if self.contains(0) => Ok(0),
+            Priority::Normal => Ok(self.least),
             Priority::Value(v) if self.contains(v) => Ok(v),
             Priority::Value(v) => Err(Error::invalid(format!(
                 "stream priority {v} is outside the context's range {} (least) ..= {} (greatest)",
@@ -77,6 +80,56 @@ impl PriorityRange {
 }
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is running a host function enqueued by the crate. There the driver
+/// must not be called (the real driver refuses or deadlocks), and waiting for the GPU would wait
+/// for the running host function itself.
+pub(crate) fn on_host_fn_thread() -> bool {
+    IN_HOST_FN.try_with(|f| f.get()).unwrap_or(false)
+}
+
+/// Wraps a host function so that the crate's destructors know they run in one (the closure's
+/// captures are dropped inside it).
+pub(crate) fn host_fn(f: impl FnOnce() + Send + 'static) -> driver::HostFn {
+    Box::new(move || {
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                let _ = IN_HOST_FN.try_with(|x| x.set(false));
+            }
+        }
+        let _ = IN_HOST_FN.try_with(|x| x.set(true));
+        let _reset = Reset;
+        f()
+    })
+}
+
+/// Runs a destructor's driver work now, or, on a host-function thread, on a thread of its own
+/// (if no thread can be started, the work is leaked: leaking is safe, calling the driver from a
+/// host function is not).
+pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
+    if !on_host_fn_thread() {
+        return f();
+    }
+    let job = Arc::new(Mutex::new(Some(f)));
+    let run = job.clone();
+    let spawned = std::thread::Builder::new()
+        .name("cuda-stream-pool-drop".into())
+        .spawn(move || {
+            if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                f()
+            }
+        });
+    if spawned.is_err() {
+        if let Some(f) = job.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            std::mem::forget(f);
+        }
+    }
+}
 
 /// A free that could not be enqueued yet: its last stream is capturing, or the driver refused
 /// the ordered free. Retried (ordered) by [`CtxInner::flush_deferred`].
@@ -106,6 +159,8 @@ pub(crate) struct CtxInner {
     deferred_len: AtomicUsize,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// Set when the teardown was moved to another state (off a host-function thread).
+    torn_down: bool,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -210,6 +265,12 @@ impl Context {
         // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
         unsafe { driver.ctx_set_current(raw) }?;
         let (least, greatest) = driver.ctx_stream_priority_range()?;
+        if greatest > least || least.checked_sub(greatest).is_none_or(|w| w > 1024) {
+            return Err(Error::invalid(format!(
+                "the driver reported an unusable stream priority range {least} (least) ..= \
+                 {greatest} (greatest)"
+            )));
+        }
         let mem_pool = driver.device_default_mem_pool(device)?;
         // Keep freed memory cached across synchronizations (the default threshold, 0, returns it
         // to the device at every synchronization).
@@ -236,6 +297,7 @@ impl Context {
                 deferred: Mutex::new(Vec::new()),
                 deferred_len: AtomicUsize::new(0),
                 _keep_alive: keep_alive,
+                torn_down: false,
             }),
         })
     }
@@ -457,10 +519,14 @@ impl CtxInner {
         pool.acquire(&*self.driver, || self.bind())
     }
 
-    /// Gives a stream back to its pool, then retries pending frees.
+    /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
+    /// host-function thread: there it only puts the stream back, with no driver call).
     pub(crate) fn release(&self, pool: &Pool, slot: Arc<Slot>) {
-        pool.release(&*self.driver, slot);
-        self.flush_deferred();
+        let driver_ok = !on_host_fn_thread();
+        pool.release(&*self.driver, slot, driver_ok);
+        if driver_ok {
+            self.flush_deferred();
+        }
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
@@ -604,6 +670,40 @@ impl CtxInner {
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
+        if self.torn_down {
+            return;
+        }
+        if on_host_fn_thread() {
+            // The teardown waits for the GPU and calls the driver: move it off this thread.
+            let moved = CtxInner {
+                id: self.id,
+                driver: self.driver.clone(),
+                raw: self.raw,
+                device: self.device,
+                primary: self.primary,
+                range: self.range,
+                pools: std::mem::take(&mut self.pools),
+                other_pools: RwLock::new(std::mem::take(
+                    self.other_pools
+                        .get_mut()
+                        .unwrap_or_else(|p| p.into_inner()),
+                )),
+                disposal: self.disposal.clone(),
+                mem_pool: self.mem_pool,
+                events: Mutex::new(std::mem::take(
+                    self.events.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
+                deferred: Mutex::new(std::mem::take(
+                    self.deferred.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
+                deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
+                _keep_alive: self._keep_alive.take(),
+                torn_down: false,
+            };
+            self.torn_down = true;
+            off_host_fn_thread(move || drop(moved));
+            return;
+        }
         // Everything of this context is gone (owners, streams, buffers and graphs hold it
         // alive). Teardown waits and queries in relaxed mode: it invalidates no capture.
         let _ = self.bind();

@@ -2,7 +2,7 @@
 //! `src/kernels.cu`), loaded with `cuModuleLoadData`. The simulated driver implements the same
 //! kernels by name.
 
-use crate::context::Context;
+use crate::context::{off_host_fn_thread, Context};
 use crate::driver::CaptureModeGuard;
 use crate::driver::{Function, Module};
 use crate::error::{Error, Result};
@@ -51,20 +51,26 @@ struct Module_ {
 
 impl Drop for Module_ {
     fn drop(&mut self) {
-        let ci = &self.ctx.inner;
-        // Kernels of the module may still be pending: wait for them (relaxed: no capture is
-        // invalidated); if that fails, keep the module loaded rather than unload under them.
-        if ci.bind().is_err() {
-            return;
-        }
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*ci.driver) else {
-            return;
-        };
-        if ci.driver.ctx_synchronize().is_ok() {
-            // SAFETY: the module is ours; no launch of it is pending (synchronized above) and
-            // none can be made any more (no `Kernels` nor graph refers to it).
-            let _ = unsafe { ci.driver.module_unload(self.module) };
-        }
+        let (ctx, module) = (self.ctx.clone(), self.module);
+        off_host_fn_thread(move || unload(&ctx, module));
+    }
+}
+
+/// Unloads the module once the context's work has completed (kept loaded when that fails).
+fn unload(ctx: &Context, module: Module) {
+    let ci = &ctx.inner;
+    // Kernels of the module may still be pending: wait for them (relaxed: no capture is
+    // invalidated); if that fails, keep the module loaded rather than unload under them.
+    if ci.bind().is_err() {
+        return;
+    }
+    let Ok(_relaxed) = CaptureModeGuard::relaxed(&*ci.driver) else {
+        return;
+    };
+    if ci.driver.ctx_synchronize().is_ok() {
+        // SAFETY: the module is ours; no launch of it is pending (synchronized above) and
+        // none can be made any more (no `Kernels` nor graph refers to it).
+        let _ = unsafe { ci.driver.module_unload(module) };
     }
 }
 
@@ -88,7 +94,10 @@ impl Kernels {
         ci.bind()?;
         let d = &ci.driver;
         let image = CStr::from_bytes_with_nul(PTX.as_bytes()).expect("PTX has one trailing NUL");
-        let module = d.module_load_data(image)?;
+        let module = {
+            let _relaxed = CaptureModeGuard::relaxed(&**d)?;
+            d.module_load_data(image)?
+        };
         // SAFETY: the module was just loaded and is unloaded only by `Module_::drop`.
         let get = |name: &CStr| unsafe { d.module_get_function(module, name) };
         let funcs = (|| {
@@ -123,12 +132,21 @@ impl Kernels {
         s: &'b StreamRef<'_>,
         b: &'b DeviceBuffer<T>,
     ) -> Result<BufferUse<'b>> {
+        self.same_context(s, b)?;
+        b.use_on(s)
+    }
+
+    fn same_context<T: crate::DeviceCopy>(
+        &self,
+        s: &StreamRef<'_>,
+        b: &DeviceBuffer<T>,
+    ) -> Result<()> {
         if !self.inner.ctx.same(s.context()) || !self.inner.ctx.same(b.context()) {
             return Err(Error::invalid(
                 "kernels, stream and buffer of different contexts",
             ));
         }
-        b.use_on(s)
+        Ok(())
     }
 
     fn launch(
@@ -189,9 +207,12 @@ impl Kernels {
         out: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let (_, n) = grid(x.len())?;
-        let ux = self.use_on(s, x)?;
-        let uo = self.use_on(s, out)?;
-        let (mut px, mut po, mut n2) = (ux.ptr().0, uo.ptr().0, n);
+        self.same_context(s, x)?;
+        self.same_context(s, out)?;
+        // Both uses at once, locks in a global order: no deadlock with a thread summing into
+        // `x` from `out`.
+        let uses = DeviceBuffer::use_all(s, &[x, out])?;
+        let (mut px, mut po, mut n2) = (uses[0].ptr().0, uses[1].ptr().0, n);
         self.launch(
             self.sum,
             s,

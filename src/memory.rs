@@ -15,7 +15,7 @@
 //! * Not allowed on a capturing stream: allocation (allocate before `begin_capture`), blocking and
 //!   host copies (a captured copy would read or write host memory on every launch).
 
-use crate::context::Context;
+use crate::context::{off_host_fn_thread, Context};
 use crate::driver::{CaptureModeGuard, DevicePtr};
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{CapturedUse, Slot};
@@ -66,13 +66,15 @@ pub(crate) struct BufCore {
 
 impl Drop for BufCore {
     fn drop(&mut self) {
-        let ci = &self.ctx.inner;
         let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
-        // after its work was enqueued (by a `BufferUse`), each ordered after the one before, so
-        // all of them precede generation `last.gen` of `last.slot`'s stream.
-        unsafe { ci.free_or_defer(self.ptr, &last.slot, last.gen) };
-        ci.flush_deferred();
+        let (ctx, ptr, slot, gen) = (self.ctx.clone(), self.ptr, last.slot.clone(), last.gen);
+        off_host_fn_thread(move || {
+            // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
+            // after its work was enqueued (by a `BufferUse`), each ordered after the one
+            // before, so all of them precede generation `gen` of `slot`'s stream.
+            unsafe { ctx.inner.free_or_defer(ptr, &slot, gen) };
+            ctx.inner.flush_deferred();
+        });
     }
 }
 
@@ -201,6 +203,27 @@ impl BufCore {
     }
 }
 
+/// Begins uses of `cores` on `stream`, taking the use locks in address order (one global order:
+/// no deadlock between threads); the uses are returned in the order given.
+pub(crate) fn begin_uses<'b>(
+    stream: &StreamRef<'_>,
+    cores: &[&'b Arc<BufCore>],
+) -> Result<Vec<BufferUse<'b>>> {
+    let mut order: Vec<usize> = (0..cores.len()).collect();
+    order.sort_by_key(|&i| Arc::as_ptr(cores[i]) as usize);
+    if order
+        .windows(2)
+        .any(|w| Arc::ptr_eq(cores[w[0]], cores[w[1]]))
+    {
+        return Err(Error::invalid("one buffer appears twice in a use"));
+    }
+    let mut taken: Vec<Option<BufferUse<'b>>> = (0..cores.len()).map(|_| None).collect();
+    for i in order {
+        taken[i] = Some(cores[i].begin_use(stream)?);
+    }
+    Ok(taken.into_iter().flatten().collect())
+}
+
 /// Runs `launch` (a graph launch on `stream`) as a use of every buffer in `uses`: the stream is
 /// ordered after each one's last use before, and recorded as its last use after. The buffers'
 /// use locks are taken in address order, so concurrent launches cannot deadlock.
@@ -209,15 +232,12 @@ pub(crate) fn launch_with_uses(
     stream: &StreamRef<'_>,
     launch: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
-    let mut cores: Vec<Arc<BufCore>> = uses
+    let cores: Vec<Arc<BufCore>> = uses
         .iter()
         .filter_map(|u| u.clone().downcast::<BufCore>().ok())
         .collect();
-    cores.sort_by_key(|c| Arc::as_ptr(c) as usize);
-    let mut guards = Vec::with_capacity(cores.len());
-    for c in &cores {
-        guards.push(c.begin_use(stream)?);
-    }
+    let refs: Vec<&Arc<BufCore>> = cores.iter().collect();
+    let _uses = begin_uses(stream, &refs)?;
     launch()
 }
 
@@ -379,6 +399,33 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// stream may still be running (a capture cannot wait for outside work); the driver's error.
     pub fn use_on<'b>(&'b self, stream: &'b StreamRef<'_>) -> Result<BufferUse<'b>> {
         self.core.begin_use(stream)
+    }
+
+    /// Begins uses of several buffers on one stream (see [`DeviceBuffer::use_on`]), returned in
+    /// the order given. The buffers' use locks are taken in one global order, so two threads
+    /// using the same buffers in different orders cannot deadlock (taking them one by one with
+    /// `use_on` can).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let (x, y) = (DeviceBuffer::<f32>::zeroed(&s, 4).unwrap(), DeviceBuffer::<f32>::zeroed(&s, 4).unwrap());
+    /// let uses = DeviceBuffer::use_all(&s, &[&y, &x]).unwrap();
+    /// assert_eq!(uses[0].ptr(), y.as_raw());
+    /// assert!(DeviceBuffer::use_all(&s, &[&x, &x]).is_err());   // one buffer twice
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a buffer appears twice; as [`DeviceBuffer::use_on`].
+    pub fn use_all<'b>(
+        stream: &'b StreamRef<'_>,
+        bufs: &[&'b DeviceBuffer<T>],
+    ) -> Result<Vec<BufferUse<'b>>> {
+        let cores: Vec<&'b Arc<BufCore>> = bufs.iter().map(|b| &b.core).collect();
+        begin_uses(stream, &cores)
     }
 
     /// Enqueues a host-to-device copy of `data` (bytes of this buffer) on `stream`.

@@ -179,8 +179,17 @@ impl Owner {
                 )));
             }
             let next = self.held_or_acquire(&mut inner, value)?.slot.clone();
-            // SAFETY: both streams are held by this owner (live), and neither is capturing:
-            // `prev` was checked, and `next` could only capture while selected.
+            if next.is_capturing() {
+                // A reference taken while it was selected began a capture of it: waiting on
+                // outside work would invalidate that capture.
+                return Err(Error::CaptureInProgress(format!(
+                    "cannot change priority from {} to {value}: the owner's stream of priority \
+                     {value} is capturing",
+                    inner.current
+                )));
+            }
+            // SAFETY: both streams are held by this owner (live), and neither is capturing
+            // (both checked; only this thread, which holds the owner, could begin a capture).
             unsafe { self.ctx.inner.order(&prev, &next) }?;
         }
         inner.current = value;

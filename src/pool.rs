@@ -91,11 +91,14 @@ impl SlotGuard<'_> {
         self.publish();
     }
 
-    /// A capture guard of the crate begins capturing the stream.
-    pub(crate) fn begin_capture(&mut self) {
+    /// A capture guard of the crate begins capturing the stream. Returns what a capture that
+    /// could not be ended cleanly left registered: the caller drops it after releasing the lock
+    /// (dropping a buffer frees it, which takes this lock).
+    #[must_use]
+    pub(crate) fn begin_capture(&mut self) -> Vec<CapturedUse> {
         self.st.capturing = true;
-        self.st.captured.clear();
         self.publish();
+        std::mem::take(&mut self.st.captured)
     }
 
     /// The capture ended: returns what it used, for the graph to keep.
@@ -418,12 +421,14 @@ impl Pool {
 
     /// Takes back a stream from an owner that is gone, without waiting for its work; then, if
     /// more than [`MAX_IDLE`] streams are retired, destroys idle ones.
-    pub(crate) fn release(&self, driver: &dyn Driver, slot: Arc<Slot>) {
+    pub(crate) fn release(&self, driver: &dyn Driver, slot: Arc<Slot>, trim: bool) {
         slot.lock().retire();
         let home = home_index();
+        // Counted before it can be found, so that a search never takes an uncounted stream.
+        let retired = self.retired.fetch_add(1, Ordering::AcqRel) + 1;
         self.shard(home).push(slot);
         self.home(home).releases.fetch_add(1, Ordering::Release);
-        if self.retired.fetch_add(1, Ordering::AcqRel) >= MAX_IDLE {
+        if trim && retired > MAX_IDLE {
             if let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) {
                 self.trim_excess(driver);
             }

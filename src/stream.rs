@@ -6,7 +6,7 @@
 //! compiler, not at run time. It is neither `Send` nor `Sync`: the stream's capture state is
 //! only ever changed by the one thread that holds it.
 
-use crate::context::{Context, Priority};
+use crate::context::{host_fn, off_host_fn_thread, Context, Priority};
 use crate::driver::{self, stream_flags, CaptureModeGuard, HostFn};
 use crate::error::{Error, Result};
 use crate::pool::Slot;
@@ -219,7 +219,7 @@ impl<'a> StreamRef<'a> {
     /// would run on every launch of the graph with the same data. The driver's error otherwise.
     pub fn launch_host_func(&self, f: impl FnOnce() + Send + 'static) -> Result<()> {
         self.not_capturing("launching a host function")?;
-        let f: HostFn = Box::new(f);
+        let f: HostFn = host_fn(f);
         // SAFETY: the stream is held (live) and not capturing; only this thread, which holds
         // it, could begin a capture.
         unsafe { self.ctx.inner.driver.launch_host_func(self.slot.raw, f) }
@@ -295,24 +295,30 @@ impl OwnedStream {
 
 impl Drop for OwnedStream {
     fn drop(&mut self) {
-        let d = &*self.ctx.inner.driver;
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(d) else {
-            return; // leaked: destroying without waiting could free memory under its work
-        };
-        let mut st = self.slot.lock();
-        if st.capturing {
-            // A capture guard was leaked (`mem::forget`): the stream is kept, never destroyed
-            // while captured.
-            return;
-        }
-        // SAFETY: the stream is ours and live; no guard captures it (a guard borrows us).
-        if unsafe { d.stream_synchronize(self.slot.raw) }.is_err() {
-            // Its work did not complete: keep the stream (buffers last used on it still free
-            // on it, ordered), rather than let them free unordered on the disposal stream.
-            return;
-        }
-        st.destroy();
-        // SAFETY: idle, and after the generation bump nothing enqueues on it.
-        let _ = unsafe { d.stream_destroy(self.slot.raw) };
+        let (ctx, slot) = (self.ctx.clone(), self.slot.clone());
+        off_host_fn_thread(move || destroy_owned(&ctx, &slot));
     }
+}
+
+/// Synchronizes and destroys an owned stream (kept instead, when that is not safe).
+fn destroy_owned(ctx: &Context, slot: &Slot) {
+    let d = &*ctx.inner.driver;
+    let Ok(_relaxed) = CaptureModeGuard::relaxed(d) else {
+        return; // leaked: destroying without waiting could free memory under its work
+    };
+    let mut st = slot.lock();
+    if st.capturing {
+        // A capture guard was leaked (`mem::forget`): the stream is kept, never destroyed
+        // while captured.
+        return;
+    }
+    // SAFETY: the stream is ours and live; no guard captures it (a guard borrows us).
+    if unsafe { d.stream_synchronize(slot.raw) }.is_err() {
+        // Its work did not complete: keep the stream (buffers last used on it still free
+        // on it, ordered), rather than let them free unordered on the disposal stream.
+        return;
+    }
+    st.destroy();
+    // SAFETY: idle, and after the generation bump nothing enqueues on it.
+    let _ = unsafe { d.stream_destroy(slot.raw) };
 }
