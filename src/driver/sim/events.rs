@@ -1,6 +1,8 @@
 //! Events: each `cuEventRecord` is a new record; `cuStreamWaitEvent` waits for the record that
 //! was latest when the wait was enqueued (later records do not affect it), and querying or
-//! synchronizing an event looks at its latest record, as in CUDA.
+//! synchronizing an event looks at its latest record, as in CUDA. A record carries the recording
+//! stream's vector clock; a wait joins it into the waiting stream's clock, a completed query or
+//! synchronization into the host's.
 
 use super::*;
 
@@ -12,6 +14,11 @@ pub(super) struct SimEvent {
     pub(super) recorded: u64,
     pub(super) pending: std::collections::BTreeSet<u64>,
     pub(super) done_at: u64,
+    /// The recording stream's clock at the latest record made outside a capture.
+    pub(super) vc: Arc<Vc>,
+    /// Where the latest record was made if it was made in a capture: (capture id, stream, the
+    /// stream's node count in the capture at the record).
+    pub(super) captured: Option<(u64, u64, u64)>,
 }
 
 impl SimEvent {

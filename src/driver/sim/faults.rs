@@ -1,6 +1,8 @@
 //! The call log and fault injection: every driver call is counted and logged, and any call
 //! (the n-th, or the next calls of one entry point) can be made to fail with a chosen
 //! `CUresult`, as a real driver may fail any call (out of memory, launch failures, ...).
+//! A call made from inside a host function fails with `CUDA_ERROR_NOT_PERMITTED` and is
+//! recorded as misuse, as the real driver forbids it.
 
 use super::*;
 
@@ -35,6 +37,16 @@ impl SimDriver {
         event: Option<Event>,
         ptr: Option<DevicePtr>,
     ) -> Result<MutexGuard<'a, State>> {
+        if IN_HOST_FN.with(|c| c.get()) {
+            // The real driver forbids driver calls from a host function (it returns
+            // CUDA_ERROR_NOT_PERMITTED or deadlocks). A graph's host node runs under the state
+            // lock, so this is recorded without taking it.
+            self.host_calls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(format!("driver call from a host function: {name}"));
+            return Err(err(ErrorCode::ERROR_NOT_PERMITTED, name));
+        }
         let mut st = self.lock();
         st.calls += 1;
         let n = st.calls;

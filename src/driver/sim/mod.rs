@@ -2,8 +2,9 @@
 //!
 //! * Streams are FIFO queues of operations; an operation starts when it reaches the head of its
 //!   queue (and, for an event wait, when the event's record has completed) and completes a fixed
-//!   simulated duration later. Host functions run on a real thread and complete when they return,
-//!   so a test can hold a stream busy on a channel, as on the GPU.
+//!   simulated duration later. Host functions run on a real thread (one per simulation, as
+//!   the driver's) and complete when they return, so a test can hold a stream busy on a channel,
+//!   as on the GPU.
 //! * Time comes from a clock that tests advance by hand ([`SimDriver::advance`]); waiting calls
 //!   (`stream_synchronize`, ...) jump the clock to the next completion, as if the CPU had waited.
 //!   With a [`Latency`] model the clock is real time instead and every API call costs the CPU time
@@ -14,6 +15,15 @@
 //!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture.
 //! * Device memory holds real bytes, so results can be checked; use after free, double frees and
 //!   operations on destroyed handles are recorded as misuse ([`SimDriver::misuse`]).
+//! * Happens-before is tracked with vector clocks (streams.rs) and every device access is checked
+//!   against the allocation's history (memory.rs): unordered accesses on different streams
+//!   (races), use after free and uninitialised reads are reported whatever the simulated
+//!   durations are ([`SimDriver::findings`]), so the simulation is at least as strict as the
+//!   real driver: a missing dependency is found even when the work takes no simulated time.
+//! * Capture follows the driver's rules as measured on an H200, fork/join, isolation and the
+//!   table of calls that invalidate captures included (capture.rs).
+//! * Host functions run one at a time on one worker thread, as on the real driver, and may not
+//!   call the driver (streams.rs).
 //! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
 //!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
 
@@ -113,6 +123,8 @@ struct State {
     primary: HashMap<u64, u64>,         // device -> ctx
     streams: HashMap<u64, SimStream>,
     events: HashMap<u64, SimEvent>,
+    /// Destroyed events with records still pending, which enqueued waits still wait for.
+    retired_events: HashMap<u64, SimEvent>,
     allocs: BTreeMap<u64, SimAlloc>,
     graphs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
     execs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
@@ -125,6 +137,16 @@ struct State {
     misuse: Vec<String>,
     counters: SimCounters,
     capture_seq: u64,
+    /// Live captures by id.
+    captures: HashMap<u64, Capture>,
+    /// What the host has observed complete (one clock per process; see streams.rs).
+    host_vc: Vc,
+    /// Bumped whenever `host_vc` grows (streams skip joining an unchanged host clock).
+    host_version: u64,
+    /// Freed ranges: base -> (bytes, the free's description).
+    freed: BTreeMap<u64, (u64, String)>,
+    /// The host-function worker, started on first use.
+    host_tx: Option<std::sync::mpsc::Sender<HostJob>>,
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
@@ -156,7 +178,10 @@ pub struct SimDriver {
     cfg: SimConfig,
     clock: Clock,
     state: Mutex<State>,
-    cv: Condvar,
+    cv: Arc<Condvar>,
+    /// Driver calls made from host functions (recorded without the state lock, which a graph's
+    /// host node runs under).
+    host_calls: Mutex<Vec<String>>,
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -200,18 +225,7 @@ impl SimDriver {
             Clock::Manual(AtomicU64::new(0))
         };
         let mut streams = HashMap::new();
-        streams.insert(
-            0,
-            SimStream {
-                ctx: 0,
-                flags: 0,
-                priority: 0,
-                queue: VecDeque::new(),
-                free_at: 0,
-                capture: None,
-                used_pool: false,
-            },
-        );
+        streams.insert(0, SimStream::new(0, 0, 0));
         SimDriver {
             id: NEXT_SIM.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -223,6 +237,7 @@ impl SimDriver {
                 primary: HashMap::new(),
                 streams,
                 events: HashMap::new(),
+                retired_events: HashMap::new(),
                 allocs: BTreeMap::new(),
                 graphs: HashMap::new(),
                 execs: HashMap::new(),
@@ -235,10 +250,16 @@ impl SimDriver {
                 misuse: Vec::new(),
                 counters: SimCounters::default(),
                 capture_seq: 0,
+                captures: HashMap::new(),
+                host_vc: Vc::default(),
+                host_version: 0,
+                freed: BTreeMap::new(),
+                host_tx: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
             }),
-            cv: Condvar::new(),
+            cv: Arc::new(Condvar::new()),
+            host_calls: Mutex::new(Vec::new()),
         }
     }
 
@@ -270,7 +291,25 @@ impl SimDriver {
 
     /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks.
     pub fn misuse(&self) -> Vec<String> {
-        self.lock().misuse.clone()
+        let mut m = self.lock().misuse.clone();
+        m.extend(
+            self.host_calls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned(),
+        );
+        m
+    }
+
+    /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
+    /// after free (`"use-after-free: ..."`), uninitialised reads (`"uninitialised read: ..."`)
+    /// and accesses to graph-owned memory before the graph ran.
+    pub fn findings(&self) -> Vec<String> {
+        self.misuse()
+            .into_iter()
+            .filter(|m| is_finding(m))
+            .collect()
     }
 
     /// Resource counters.
@@ -410,7 +449,17 @@ impl Driver for SimDriver {
             spin(ns.min(l.sync * 200_000));
             st = self.lock();
         }
-        self.wait_until(st, "cuCtxSynchronize", |st| st.busy.is_empty())
+        self.wait_until(
+            st,
+            "cuCtxSynchronize",
+            |st| st.busy.is_empty(),
+            |st| {
+                let all: Vec<Arc<Vc>> = st.streams.values().map(|s| s.vc.clone()).collect();
+                for vc in &all {
+                    Self::host_observes(st, vc);
+                }
+            },
+        )
     }
 
     fn ctx_stream_priority_range(&self) -> Result<(i32, i32)> {
@@ -442,18 +491,7 @@ impl Driver for SimDriver {
         let priority = priority.clamp(greatest, least);
         let id = Self::new_id(&mut st);
         let ctx = self.thread().ctx;
-        st.streams.insert(
-            id,
-            SimStream {
-                ctx,
-                flags,
-                priority,
-                queue: VecDeque::new(),
-                free_at: 0,
-                capture: None,
-                used_pool: false,
-            },
-        );
+        st.streams.insert(id, SimStream::new(ctx, flags, priority));
         if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
             c.stream = Some(Stream(id));
         }
@@ -486,17 +524,23 @@ impl Driver for SimDriver {
                 &mut st,
                 format!("stream {:#x} destroyed with pending work", stream.0),
             );
+            let now = self.clock.now();
             for op in s.queue {
-                if let OpKind::Effect(e) = op.kind {
-                    Self::apply(&mut st, &e);
+                if matches!(op.kind, OpKind::Effect(_) | OpKind::Graph(_)) {
+                    Self::complete(&mut st, stream.0, op, now);
                 }
             }
         }
-        if s.capture.is_some() {
+        if let Some(id) = s.capture {
             Self::note_misuse(
                 &mut st,
                 format!("stream {:#x} destroyed while capturing", stream.0),
             );
+            if st.captures.get(&id).is_some_and(|c| c.origin == stream.0) {
+                Self::drop_capture(&mut st, id);
+            } else if let Some(c) = st.captures.get_mut(&id) {
+                c.forked.remove(&stream.0);
+            }
         }
         if s.used_pool {
             st.pool_streams -= 1;
@@ -513,7 +557,12 @@ impl Driver for SimDriver {
         Self::not_capturing(&mut st, stream, "cuStreamQuery")?;
         self.unsafe_call(&mut st, "cuStreamQuery")?;
         self.progress(&mut st);
-        Ok(st.streams[&stream.0].queue.is_empty())
+        let idle = st.streams[&stream.0].queue.is_empty();
+        if idle {
+            let vc = st.streams[&stream.0].vc.clone();
+            Self::host_observes(&mut st, &vc);
+        }
+        Ok(idle)
     }
 
     fn stream_synchronize(&self, stream: Stream) -> Result<()> {
@@ -521,9 +570,16 @@ impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuStreamSynchronize")?;
         Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
         self.unsafe_call(&mut st, "cuStreamSynchronize")?;
-        self.wait_until(st, "cuStreamSynchronize", |st| {
-            st.streams.get(&stream.0).is_none_or(|s| s.queue.is_empty())
-        })
+        self.wait_until(
+            st,
+            "cuStreamSynchronize",
+            |st| st.streams.get(&stream.0).is_none_or(|s| s.queue.is_empty()),
+            |st| {
+                if let Some(vc) = st.streams.get(&stream.0).map(|s| s.vc.clone()) {
+                    Self::host_observes(st, &vc);
+                }
+            },
+        )
     }
 
     fn stream_priority(&self, stream: Stream) -> Result<i32> {
@@ -543,10 +599,15 @@ impl Driver for SimDriver {
         let mut st = self.enter("cuStreamWaitEvent", Some(stream), Some(event), None)?;
         Self::check_stream(&mut st, stream, "cuStreamWaitEvent")?;
         Self::check_event(&mut st, event, "cuStreamWaitEvent")?;
+        if self.capture_wait(&mut st, stream, event)? {
+            return Ok(());
+        }
         let seq = st.events[&event.0].recorded;
         if seq == 0 {
             return Ok(());
         }
+        let vc = st.events[&event.0].vc.clone();
+        Self::stream_joins(&mut st, stream.0, &vc);
         self.enqueue(
             &mut st,
             stream,
@@ -580,14 +641,17 @@ impl Driver for SimDriver {
         let mut st = self.enter("cuEventRecord", Some(stream), Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventRecord")?;
         Self::check_stream(&mut st, stream, "cuEventRecord")?;
-        if st.streams[&stream.0].capture.is_some() {
-            return self.enqueue(
+        if let Some(id) = Self::capture_of(&st, stream.0) {
+            self.enqueue(
                 &mut st,
                 stream,
                 OpKind::Record { event: 0, seq: 0 },
                 0,
                 "cuEventRecord",
-            );
+            )?;
+            let tip = st.captures[&id].tips.get(&stream.0).copied().unwrap_or(0);
+            st.events.get_mut(&event.0).unwrap().captured = Some((id, stream.0, tip));
+            return Ok(());
         }
         let ev = st.events.get_mut(&event.0).unwrap();
         ev.recorded += 1;
@@ -602,7 +666,12 @@ impl Driver for SimDriver {
             },
             0,
             "cuEventRecord",
-        )
+        )?;
+        let vc = st.streams[&stream.0].vc.clone();
+        let ev = st.events.get_mut(&event.0).unwrap();
+        ev.vc = vc;
+        ev.captured = None;
+        Ok(())
     }
 
     fn event_query(&self, event: Event) -> Result<bool> {
@@ -612,7 +681,12 @@ impl Driver for SimDriver {
         self.unsafe_call(&mut st, "cuEventQuery")?;
         self.progress(&mut st);
         let e = &st.events[&event.0];
-        Ok(e.is_done(e.recorded))
+        let done = e.is_done(e.recorded);
+        if done {
+            let vc = e.vc.clone();
+            Self::host_observes(&mut st, &vc);
+        }
+        Ok(done)
     }
 
     fn event_synchronize(&self, event: Event) -> Result<()> {
@@ -620,15 +694,23 @@ impl Driver for SimDriver {
         Self::check_event(&mut st, event, "cuEventSynchronize")?;
         self.unsafe_call(&mut st, "cuEventSynchronize")?;
         let target = st.events[&event.0].recorded;
-        self.wait_until(st, "cuEventSynchronize", |st| {
-            st.events.get(&event.0).is_none_or(|e| e.is_done(target))
-        })
+        let vc = st.events[&event.0].vc.clone();
+        self.wait_until(
+            st,
+            "cuEventSynchronize",
+            |st| st.events.get(&event.0).is_none_or(|e| e.is_done(target)),
+            |st| Self::host_observes(st, &vc),
+        )
     }
 
     fn event_destroy(&self, event: Event) -> Result<()> {
         let mut st = self.enter("cuEventDestroy_v2", None, Some(event), None)?;
         Self::check_event(&mut st, event, "cuEventDestroy_v2")?;
-        st.events.remove(&event.0);
+        let ev = st.events.remove(&event.0).unwrap();
+        if !ev.pending.is_empty() {
+            // As in CUDA, waits already enqueued still wait for the event's records.
+            st.retired_events.insert(event.0, ev);
+        }
         st.counters.live_events -= 1;
         Ok(())
     }
@@ -642,29 +724,42 @@ impl Driver for SimDriver {
             // Measured on the H200: a zero-byte request succeeds and returns the null pointer.
             return Ok(DevicePtr::NULL);
         }
-        if let Some(c) = st.streams[&stream.0].capture.as_ref() {
-            if c.invalidated {
+        let cap = Self::capture_of(&st, stream.0);
+        match cap {
+            Some(id) if st.captures[&id].invalidated => {
                 return Self::fail(
                     &mut st,
                     ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
                     "cuMemAllocAsync",
                 );
             }
+            Some(_) => {}
+            // Measured on the H200: on a stream that is not capturing, the allocator is an
+            // unsafe call under capture (capture.rs).
+            None => self.unsafe_call(&mut st, "cuMemAllocAsync")?,
         }
         if self.device_bytes(&st) + bytes as u64 > self.cfg.total_memory {
             return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
         }
         let p = st.next_ptr;
         st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
-        let capturing = st.streams[&stream.0].capture.is_some();
-        st.allocs.insert(
-            p,
-            SimAlloc {
-                data: vec![0; bytes],
-                free_pending: false,
-                graph_owned: capturing,
-            },
-        );
+        let capturing = cap.is_some();
+        let mut a = SimAlloc::new(bytes, capturing);
+        a.graph_capture = cap;
+        if !capturing {
+            // The allocation is a stream-ordered operation: work on other streams must be
+            // ordered after it (memory.rs).
+            let vc = Self::tick_stream(&mut st, stream.0);
+            a.hist.push(AccessRec {
+                lo: 0,
+                hi: bytes as u64,
+                stream: stream.0,
+                epoch: vc.get(stream.0),
+                write: true,
+                desc: format!("cuMemAllocAsync on stream {:#x}", stream.0),
+            });
+        }
+        st.allocs.insert(p, a);
         if capturing {
             // An allocation node: the graph owns the memory (see Effect::GraphAlloc).
             self.enqueue(
@@ -716,10 +811,19 @@ impl Driver for SimDriver {
         if ptr.is_null() {
             return Ok(());
         }
-        let capturing = st.streams[&stream.0].capture.is_some();
+        let cap = Self::capture_of(&st, stream.0);
+        if cap.is_none() {
+            self.unsafe_call(&mut st, "cuMemFreeAsync")?;
+        }
+        let capturing = cap.is_some();
         match st.allocs.get_mut(&ptr.0) {
             // A free node of a graph's own allocation: the reservation stays for the graph.
-            Some(a) if a.graph_owned && capturing => {}
+            Some(a) if a.graph_owned && capturing && a.graph_capture == cap => {}
+            // Measured on the H200: freeing memory into a capture that its graph did not
+            // allocate fails, and the capture stays valid.
+            Some(a) if capturing && !a.from_graph => {
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
             Some(a) if !a.free_pending => a.free_pending = true,
             Some(_) => {
                 Self::note_misuse(&mut st, format!("double free of {:#x}", ptr.0));
@@ -876,74 +980,13 @@ impl Driver for SimDriver {
     fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
         let mut st = self.enter("cuStreamBeginCapture_v2", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamBeginCapture_v2")?;
-        if stream.is_null() {
-            return Self::fail(
-                &mut st,
-                ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED,
-                "cuStreamBeginCapture_v2",
-            );
-        }
-        if st.streams[&stream.0].capture.is_some() {
-            // Measured on the H200: the nested begin fails and the outer capture stays active.
-            return Self::fail(
-                &mut st,
-                ErrorCode::ERROR_ILLEGAL_STATE,
-                "cuStreamBeginCapture_v2",
-            );
-        }
-        st.capture_seq += 1;
-        let id = st.capture_seq;
-        st.streams.get_mut(&stream.0).unwrap().capture = Some(Capture {
-            mode,
-            id,
-            thread: std::thread::current().id(),
-            ops: Vec::new(),
-            invalidated: false,
-        });
-        Ok(())
+        Self::begin_capture(&mut st, stream, mode)
     }
 
     fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
         let mut st = self.enter("cuStreamEndCapture", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamEndCapture")?;
-        let me = std::thread::current().id();
-        match st.streams[&stream.0].capture.as_ref() {
-            None => {
-                return Self::fail(
-                    &mut st,
-                    ErrorCode::ERROR_ILLEGAL_STATE,
-                    "cuStreamEndCapture",
-                )
-            }
-            Some(c) if c.mode != CaptureMode::Relaxed && c.thread != me => {
-                // Measured on the H200: the call fails and the capture is terminated.
-                st.streams.get_mut(&stream.0).unwrap().capture = None;
-                return Self::fail(
-                    &mut st,
-                    ErrorCode::ERROR_STREAM_CAPTURE_WRONG_THREAD,
-                    "cuStreamEndCapture",
-                );
-            }
-            Some(_) => {}
-        }
-        let c = st
-            .streams
-            .get_mut(&stream.0)
-            .unwrap()
-            .capture
-            .take()
-            .unwrap();
-        if c.invalidated {
-            return Self::fail(
-                &mut st,
-                ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
-                "cuStreamEndCapture",
-            );
-        }
-        let id = Self::new_id(&mut st);
-        st.graphs.insert(id, Arc::new(c.ops));
-        st.counters.live_graphs += 1;
-        Ok(Graph(id))
+        Self::end_capture(&mut st, stream)
     }
 
     fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
@@ -953,7 +996,8 @@ impl Driver for SimDriver {
     fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
         let mut st = self.enter("cuStreamGetCaptureInfo_v3", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamGetCaptureInfo_v3")?;
-        Ok(match st.streams[&stream.0].capture.as_ref() {
+        let cap = Self::capture_of(&st, stream.0).and_then(|id| st.captures.get(&id));
+        Ok(match cap {
             None => (CaptureStatus::None, 0),
             Some(c) if c.invalidated => (CaptureStatus::Invalidated, c.id),
             Some(c) => (CaptureStatus::Active, c.id),
