@@ -312,3 +312,52 @@ fn c_invalidate(st: &mut State, id: u64) {
 fn ev_captured_stale(st: &State, event: Event) -> bool {
     st.events[&event.0].captured.is_some()
 }
+
+impl SimDriver {
+    /// `graph_instantiate` of the [`Driver`] impl.
+    pub(super) fn do_graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
+        let mut st = self.enter("cuGraphInstantiateWithFlags", None, None, None)?;
+        let Some(g) = st.graphs.get(&graph.0).cloned() else {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuGraphInstantiateWithFlags",
+            );
+        };
+        let id = Self::new_id(&mut st);
+        st.execs.insert(id, g);
+        st.counters.live_graph_execs += 1;
+        Ok(GraphExec(id))
+    }
+
+    /// `graph_launch` of the [`Driver`] impl.
+    pub(super) fn do_graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuGraphLaunch", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuGraphLaunch")?;
+        let Some(g) = st.execs.get(&exec.0).cloned() else {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphLaunch");
+        };
+        let dur = g.iter().map(|(_, d)| d).sum();
+        self.enqueue(&mut st, stream, OpKind::Graph(g), dur, "cuGraphLaunch")
+    }
+
+    /// `graph_destroy` of the [`Driver`] impl.
+    pub(super) fn do_graph_destroy(&self, graph: Graph) -> Result<()> {
+        let mut st = self.enter("cuGraphDestroy", None, None, None)?;
+        let Some(ops) = st.graphs.remove(&graph.0) else {
+            Self::note_misuse(&mut st, format!("destroy of unknown graph {:#x}", graph.0));
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphDestroy");
+        };
+        // Reservations of allocation nodes that never ran go with the graph.
+        for (e, _) in ops.iter() {
+            if let Effect::GraphAlloc { ptr, .. } = e {
+                if st.allocs.get(ptr).is_some_and(|a| a.graph_owned) {
+                    st.allocs.remove(ptr);
+                }
+            }
+        }
+        st.counters.live_graphs -= 1;
+        Ok(())
+    }
+}

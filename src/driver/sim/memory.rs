@@ -545,3 +545,148 @@ impl SimDriver {
         st.freed.insert(ptr, (a.data.len() as u64, desc));
     }
 }
+
+impl SimDriver {
+    /// `mem_alloc_async` of the [`Driver`] impl.
+    pub(super) fn do_mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+        let n = self.lock().pool_streams;
+        self.cost(|l| l.alloc + l.alloc_per_stream * n);
+        let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuMemAllocAsync")?;
+        if bytes == 0 {
+            // Measured on the H200: a zero-byte request succeeds and returns the null pointer.
+            return Ok(DevicePtr::NULL);
+        }
+        let cap = Self::capture_of(&st, stream.0);
+        match cap {
+            Some(id) if st.captures[&id].invalidated => {
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
+                    "cuMemAllocAsync",
+                );
+            }
+            Some(_) => {}
+            // Measured on the H200: on a stream that is not capturing, the allocator is an
+            // unsafe call under capture (capture.rs).
+            None => self.unsafe_call(&mut st, "cuMemAllocAsync")?,
+        }
+        if self.device_bytes(&st) + bytes as u64 > self.cfg.total_memory {
+            return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
+        }
+        let p = st.next_ptr;
+        st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
+        let capturing = cap.is_some();
+        let mut a = SimAlloc::new(bytes, capturing);
+        a.graph_capture = cap;
+        if !capturing {
+            // The allocation is a stream-ordered operation: work on other streams must be
+            // ordered after it (memory.rs).
+            let vc = Self::tick_stream(&mut st, stream.0);
+            a.hist.push(AccessRec {
+                lo: 0,
+                hi: bytes as u64,
+                stream: stream.0,
+                epoch: vc.get(stream.0),
+                write: true,
+                desc: format!("cuMemAllocAsync on stream {:#x}", stream.0),
+            });
+        }
+        st.allocs.insert(p, a);
+        if capturing {
+            // An allocation node: the graph owns the memory (see Effect::GraphAlloc).
+            self.enqueue(
+                &mut st,
+                stream,
+                OpKind::Effect(Effect::GraphAlloc { ptr: p, bytes }),
+                0,
+                "cuMemAllocAsync",
+            )?;
+            return Ok(DevicePtr(p));
+        }
+        st.counters.live_alloc_bytes += bytes as u64;
+        st.counters.live_allocs += 1;
+        let s = st.streams.get_mut(&stream.0).unwrap();
+        if !s.used_pool {
+            s.used_pool = true;
+            st.pool_streams += 1;
+        }
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.ptr = Some(DevicePtr(p));
+        }
+        self.note_peak(&mut st);
+        Ok(DevicePtr(p))
+    }
+
+    /// `mem_free_async` of the [`Driver`] impl.
+    pub(super) fn do_mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.cost(|l| l.alloc);
+        let mut st = self.enter("cuMemFreeAsync", Some(stream), None, Some(ptr))?;
+        Self::check_stream(&mut st, stream, "cuMemFreeAsync")?;
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let cap = Self::capture_of(&st, stream.0);
+        if cap.is_none() {
+            self.unsafe_call(&mut st, "cuMemFreeAsync")?;
+        }
+        let capturing = cap.is_some();
+        match st.allocs.get_mut(&ptr.0) {
+            // A free node of a graph's own allocation: the reservation stays for the graph.
+            Some(a) if a.graph_owned && capturing && a.graph_capture == cap => {}
+            // Measured on the H200: freeing memory into a capture that its graph did not
+            // allocate fails, and the capture stays valid.
+            Some(a) if capturing && !a.from_graph => {
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
+            Some(a) if !a.free_pending => a.free_pending = true,
+            Some(_) => {
+                Self::note_misuse(&mut st, format!("double free of {:#x}", ptr.0));
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
+            None => {
+                Self::note_misuse(&mut st, format!("free of unknown pointer {:#x}", ptr.0));
+                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
+            }
+        }
+        let r = self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Free { ptr: ptr.0 }),
+            0,
+            "cuMemFreeAsync",
+        );
+        if r.is_err() {
+            if let Some(a) = st.allocs.get_mut(&ptr.0) {
+                a.free_pending = false;
+            }
+        }
+        r
+    }
+
+    /// `memset_d32_async` of the [`Driver`] impl.
+    pub(super) fn do_memset_d32_async(
+        &self,
+        dst: DevicePtr,
+        value: u32,
+        count: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemsetD32Async", Some(stream), None, Some(dst))?;
+        Self::check_stream(&mut st, stream, "cuMemsetD32Async")?;
+        Self::check_range(&mut st, dst.0, count * 4, "cuMemsetD32Async")?;
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Memset {
+                ptr: dst.0,
+                value,
+                count,
+            }),
+            dur,
+            "cuMemsetD32Async",
+        )
+    }
+}

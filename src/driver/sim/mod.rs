@@ -595,29 +595,7 @@ impl Driver for SimDriver {
     }
 
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
-        self.cost(|l| l.event);
-        let mut st = self.enter("cuStreamWaitEvent", Some(stream), Some(event), None)?;
-        Self::check_stream(&mut st, stream, "cuStreamWaitEvent")?;
-        Self::check_event(&mut st, event, "cuStreamWaitEvent")?;
-        if self.capture_wait(&mut st, stream, event)? {
-            return Ok(());
-        }
-        let seq = st.events[&event.0].recorded;
-        if seq == 0 {
-            return Ok(());
-        }
-        let vc = st.events[&event.0].vc.clone();
-        Self::stream_joins(&mut st, stream.0, &vc);
-        self.enqueue(
-            &mut st,
-            stream,
-            OpKind::Wait {
-                event: event.0,
-                seq,
-            },
-            0,
-            "cuStreamWaitEvent",
-        )
+        self.do_stream_wait_event(stream, event)
     }
 
     fn event_create(&self, flags: u32) -> Result<Event> {
@@ -637,152 +615,23 @@ impl Driver for SimDriver {
     }
 
     fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
-        self.cost(|l| l.event);
-        let mut st = self.enter("cuEventRecord", Some(stream), Some(event), None)?;
-        Self::check_event(&mut st, event, "cuEventRecord")?;
-        Self::check_stream(&mut st, stream, "cuEventRecord")?;
-        if let Some(id) = Self::capture_of(&st, stream.0) {
-            self.enqueue(
-                &mut st,
-                stream,
-                OpKind::Record { event: 0, seq: 0 },
-                0,
-                "cuEventRecord",
-            )?;
-            let tip = st.captures[&id].tips.get(&stream.0).copied().unwrap_or(0);
-            st.events.get_mut(&event.0).unwrap().captured = Some((id, stream.0, tip));
-            return Ok(());
-        }
-        let ev = st.events.get_mut(&event.0).unwrap();
-        ev.recorded += 1;
-        let seq = ev.recorded;
-        ev.pending.insert(seq);
-        self.enqueue(
-            &mut st,
-            stream,
-            OpKind::Record {
-                event: event.0,
-                seq,
-            },
-            0,
-            "cuEventRecord",
-        )?;
-        let vc = st.streams[&stream.0].vc.clone();
-        let ev = st.events.get_mut(&event.0).unwrap();
-        ev.vc = vc;
-        ev.captured = None;
-        Ok(())
+        self.do_event_record(event, stream)
     }
 
     fn event_query(&self, event: Event) -> Result<bool> {
-        self.cost(|l| l.query);
-        let mut st = self.enter("cuEventQuery", None, Some(event), None)?;
-        Self::check_event(&mut st, event, "cuEventQuery")?;
-        self.unsafe_call(&mut st, "cuEventQuery")?;
-        self.progress(&mut st);
-        let e = &st.events[&event.0];
-        let done = e.is_done(e.recorded);
-        if done {
-            let vc = e.vc.clone();
-            Self::host_observes(&mut st, &vc);
-        }
-        Ok(done)
+        self.do_event_query(event)
     }
 
     fn event_synchronize(&self, event: Event) -> Result<()> {
-        let mut st = self.enter("cuEventSynchronize", None, Some(event), None)?;
-        Self::check_event(&mut st, event, "cuEventSynchronize")?;
-        self.unsafe_call(&mut st, "cuEventSynchronize")?;
-        let target = st.events[&event.0].recorded;
-        let vc = st.events[&event.0].vc.clone();
-        self.wait_until(
-            st,
-            "cuEventSynchronize",
-            |st| st.events.get(&event.0).is_none_or(|e| e.is_done(target)),
-            |st| Self::host_observes(st, &vc),
-        )
+        self.do_event_synchronize(event)
     }
 
     fn event_destroy(&self, event: Event) -> Result<()> {
-        let mut st = self.enter("cuEventDestroy_v2", None, Some(event), None)?;
-        Self::check_event(&mut st, event, "cuEventDestroy_v2")?;
-        let ev = st.events.remove(&event.0).unwrap();
-        if !ev.pending.is_empty() {
-            // As in CUDA, waits already enqueued still wait for the event's records.
-            st.retired_events.insert(event.0, ev);
-        }
-        st.counters.live_events -= 1;
-        Ok(())
+        self.do_event_destroy(event)
     }
 
     fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
-        let n = self.lock().pool_streams;
-        self.cost(|l| l.alloc + l.alloc_per_stream * n);
-        let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
-        Self::check_stream(&mut st, stream, "cuMemAllocAsync")?;
-        if bytes == 0 {
-            // Measured on the H200: a zero-byte request succeeds and returns the null pointer.
-            return Ok(DevicePtr::NULL);
-        }
-        let cap = Self::capture_of(&st, stream.0);
-        match cap {
-            Some(id) if st.captures[&id].invalidated => {
-                return Self::fail(
-                    &mut st,
-                    ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
-                    "cuMemAllocAsync",
-                );
-            }
-            Some(_) => {}
-            // Measured on the H200: on a stream that is not capturing, the allocator is an
-            // unsafe call under capture (capture.rs).
-            None => self.unsafe_call(&mut st, "cuMemAllocAsync")?,
-        }
-        if self.device_bytes(&st) + bytes as u64 > self.cfg.total_memory {
-            return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
-        }
-        let p = st.next_ptr;
-        st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
-        let capturing = cap.is_some();
-        let mut a = SimAlloc::new(bytes, capturing);
-        a.graph_capture = cap;
-        if !capturing {
-            // The allocation is a stream-ordered operation: work on other streams must be
-            // ordered after it (memory.rs).
-            let vc = Self::tick_stream(&mut st, stream.0);
-            a.hist.push(AccessRec {
-                lo: 0,
-                hi: bytes as u64,
-                stream: stream.0,
-                epoch: vc.get(stream.0),
-                write: true,
-                desc: format!("cuMemAllocAsync on stream {:#x}", stream.0),
-            });
-        }
-        st.allocs.insert(p, a);
-        if capturing {
-            // An allocation node: the graph owns the memory (see Effect::GraphAlloc).
-            self.enqueue(
-                &mut st,
-                stream,
-                OpKind::Effect(Effect::GraphAlloc { ptr: p, bytes }),
-                0,
-                "cuMemAllocAsync",
-            )?;
-            return Ok(DevicePtr(p));
-        }
-        st.counters.live_alloc_bytes += bytes as u64;
-        st.counters.live_allocs += 1;
-        let s = st.streams.get_mut(&stream.0).unwrap();
-        if !s.used_pool {
-            s.used_pool = true;
-            st.pool_streams += 1;
-        }
-        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
-            c.ptr = Some(DevicePtr(p));
-        }
-        self.note_peak(&mut st);
-        Ok(DevicePtr(p))
+        self.do_mem_alloc_async(bytes, stream)
     }
 
     fn mem_alloc_from_pool_async(
@@ -805,48 +654,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        self.cost(|l| l.alloc);
-        let mut st = self.enter("cuMemFreeAsync", Some(stream), None, Some(ptr))?;
-        Self::check_stream(&mut st, stream, "cuMemFreeAsync")?;
-        if ptr.is_null() {
-            return Ok(());
-        }
-        let cap = Self::capture_of(&st, stream.0);
-        if cap.is_none() {
-            self.unsafe_call(&mut st, "cuMemFreeAsync")?;
-        }
-        let capturing = cap.is_some();
-        match st.allocs.get_mut(&ptr.0) {
-            // A free node of a graph's own allocation: the reservation stays for the graph.
-            Some(a) if a.graph_owned && capturing && a.graph_capture == cap => {}
-            // Measured on the H200: freeing memory into a capture that its graph did not
-            // allocate fails, and the capture stays valid.
-            Some(a) if capturing && !a.from_graph => {
-                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
-            }
-            Some(a) if !a.free_pending => a.free_pending = true,
-            Some(_) => {
-                Self::note_misuse(&mut st, format!("double free of {:#x}", ptr.0));
-                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
-            }
-            None => {
-                Self::note_misuse(&mut st, format!("free of unknown pointer {:#x}", ptr.0));
-                return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeAsync");
-            }
-        }
-        let r = self.enqueue(
-            &mut st,
-            stream,
-            OpKind::Effect(Effect::Free { ptr: ptr.0 }),
-            0,
-            "cuMemFreeAsync",
-        );
-        if r.is_err() {
-            if let Some(a) = st.allocs.get_mut(&ptr.0) {
-                a.free_pending = false;
-            }
-        }
-        r
+        self.do_mem_free_async(ptr, stream)
     }
 
     fn device_default_mem_pool(&self, dev: Device) -> Result<MemPool> {
@@ -908,22 +716,7 @@ impl Driver for SimDriver {
         count: usize,
         stream: Stream,
     ) -> Result<()> {
-        self.cost(|l| l.launch);
-        let mut st = self.enter("cuMemsetD32Async", Some(stream), None, Some(dst))?;
-        Self::check_stream(&mut st, stream, "cuMemsetD32Async")?;
-        Self::check_range(&mut st, dst.0, count * 4, "cuMemsetD32Async")?;
-        let dur = self.lat().map_or(0, |l| l.copy_gpu);
-        self.enqueue(
-            &mut st,
-            stream,
-            OpKind::Effect(Effect::Memset {
-                ptr: dst.0,
-                value,
-                count,
-            }),
-            dur,
-            "cuMemsetD32Async",
-        )
+        self.do_memset_d32_async(dst, value, count, stream)
     }
 
     unsafe fn memcpy_htod_async(
@@ -1015,29 +808,11 @@ impl Driver for SimDriver {
     }
 
     fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
-        let mut st = self.enter("cuGraphInstantiateWithFlags", None, None, None)?;
-        let Some(g) = st.graphs.get(&graph.0).cloned() else {
-            return Self::fail(
-                &mut st,
-                ErrorCode::ERROR_INVALID_VALUE,
-                "cuGraphInstantiateWithFlags",
-            );
-        };
-        let id = Self::new_id(&mut st);
-        st.execs.insert(id, g);
-        st.counters.live_graph_execs += 1;
-        Ok(GraphExec(id))
+        self.do_graph_instantiate(graph)
     }
 
     fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
-        self.cost(|l| l.launch);
-        let mut st = self.enter("cuGraphLaunch", Some(stream), None, None)?;
-        Self::check_stream(&mut st, stream, "cuGraphLaunch")?;
-        let Some(g) = st.execs.get(&exec.0).cloned() else {
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphLaunch");
-        };
-        let dur = g.iter().map(|(_, d)| d).sum();
-        self.enqueue(&mut st, stream, OpKind::Graph(g), dur, "cuGraphLaunch")
+        self.do_graph_launch(exec, stream)
     }
 
     fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
@@ -1067,21 +842,7 @@ impl Driver for SimDriver {
     }
 
     fn graph_destroy(&self, graph: Graph) -> Result<()> {
-        let mut st = self.enter("cuGraphDestroy", None, None, None)?;
-        let Some(ops) = st.graphs.remove(&graph.0) else {
-            Self::note_misuse(&mut st, format!("destroy of unknown graph {:#x}", graph.0));
-            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphDestroy");
-        };
-        // Reservations of allocation nodes that never ran go with the graph.
-        for (e, _) in ops.iter() {
-            if let Effect::GraphAlloc { ptr, .. } = e {
-                if st.allocs.get(ptr).is_some_and(|a| a.graph_owned) {
-                    st.allocs.remove(ptr);
-                }
-            }
-        }
-        st.counters.live_graphs -= 1;
-        Ok(())
+        self.do_graph_destroy(graph)
     }
 
     fn graph_node_count(&self, graph: Graph) -> Result<usize> {
