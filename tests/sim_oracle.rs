@@ -751,3 +751,24 @@ fn unused_event_handle_is_not_an_error() {
         "cuEventQuery on unknown or destroyed event"
     ));
 }
+
+#[test]
+fn waiting_on_another_captures_event_is_merge_902() {
+    let sim = sim();
+    let (a, b) = (stream(&sim), stream(&sim));
+    let e = sim.event_create(0).unwrap();
+    sim.stream_begin_capture(a, CaptureMode::Global).unwrap();
+    sim.stream_begin_capture(b, CaptureMode::Global).unwrap();
+    // Inside one capture, a record and a wait are an edge.
+    sim.event_record(e, a).unwrap();
+    sim.stream_wait_event(a, e).unwrap();
+    assert_eq!(status(&sim, a), CaptureStatus::Active);
+    // Across captures, they would merge them.
+    assert_eq!(
+        code(sim.stream_wait_event(b, e)),
+        ErrorCode::ERROR_STREAM_CAPTURE_MERGE
+    );
+    assert_eq!(status(&sim, b), CaptureStatus::Invalidated);
+    assert_eq!(status(&sim, a), CaptureStatus::Active);
+    sim.stream_end_capture(a).unwrap();
+}

@@ -16,6 +16,13 @@
 //!   per-thread truth) that joins whatever a synchronizing call or a successful query observed
 //!   complete; every operation enqueued later joins the host clock. The memory module uses these
 //!   clocks to find unordered accesses (races), whatever the simulated durations are.
+//!
+//!   Limits of the model: a host function's completion is not a host observation (code that
+//!   learns of completion only through a callback is reported, where the real driver would have
+//!   ordered it); the legacy default stream's implicit synchronization with blocking streams is
+//!   not modelled (so work on it is reported as unordered, stricter than CUDA); the operations of
+//!   one graph launch share the launch's clock, so races between unordered branches inside one
+//!   graph are not found.
 
 use super::*;
 use std::cell::Cell;
