@@ -1,0 +1,145 @@
+//! The call log and fault injection: every driver call is counted and logged, and any call
+//! (the n-th, or the next calls of one entry point) can be made to fail with a chosen
+//! `CUresult`, as a real driver may fail any call (out of memory, launch failures, ...).
+//! A call made from inside a host function fails with `CUDA_ERROR_NOT_PERMITTED` and is
+//! recorded as misuse, as the real driver forbids it.
+
+use super::*;
+
+/// One logged driver call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    /// The entry point, e.g. `cuMemFreeAsync`.
+    pub name: &'static str,
+    /// The stream it acted on, if any.
+    pub stream: Option<Stream>,
+    /// The event it acted on, if any.
+    pub event: Option<Event>,
+    /// The device pointer it acted on, if any.
+    pub ptr: Option<DevicePtr>,
+    /// Whether it succeeded.
+    pub ok: bool,
+}
+
+pub(super) struct Fault {
+    pub(super) name: Option<&'static str>,
+    pub(super) nth: Option<u64>,
+    pub(super) remaining: u64,
+    pub(super) code: ErrorCode,
+}
+
+impl SimDriver {
+    /// Enters a call: counts it, applies injected faults, logs it.
+    pub(super) fn enter<'a>(
+        &'a self,
+        name: &'static str,
+        stream: Option<Stream>,
+        event: Option<Event>,
+        ptr: Option<DevicePtr>,
+    ) -> Result<MutexGuard<'a, State>> {
+        if IN_HOST_FN.with(|c| c.get()) {
+            // The real driver forbids driver calls from a host function (it returns
+            // CUDA_ERROR_NOT_PERMITTED or deadlocks). A graph's host node runs under the state
+            // lock, so this is recorded without taking it.
+            self.host_calls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(format!("driver call from a host function: {name}"));
+            return Err(err(ErrorCode::ERROR_NOT_PERMITTED, name));
+        }
+        let mut st = self.lock();
+        st.calls += 1;
+        let n = st.calls;
+        let mut fail = None;
+        for f in st.faults.iter_mut() {
+            if f.remaining == 0 {
+                continue;
+            }
+            let hit = match (f.nth, f.name) {
+                (Some(k), _) => k == n,
+                (None, Some(want)) => want == name,
+                (None, None) => true,
+            };
+            if hit {
+                f.remaining -= 1;
+                fail = Some(f.code);
+                break;
+            }
+        }
+        st.faults.retain(|f| f.remaining > 0);
+        if let Some(log) = st.log.as_mut() {
+            log.push(Call {
+                name,
+                stream,
+                event,
+                ptr,
+                ok: fail.is_none(),
+            });
+        }
+        match fail {
+            Some(code) => Err(err(code, name)),
+            None => Ok(st),
+        }
+    }
+
+    pub(super) fn fail_last(st: &mut State) {
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.ok = false;
+        }
+    }
+
+    pub(super) fn fail<T>(st: &mut State, code: ErrorCode, call: &'static str) -> Result<T> {
+        Self::fail_last(st);
+        Err(err(code, call))
+    }
+
+    /// Makes the `n`-th driver call from now (1 = the next one) fail with `code`.
+    pub fn fail_nth_call(&self, n: u64, code: ErrorCode) {
+        let mut st = self.lock();
+        let at = st.calls + n;
+        st.faults.push(Fault {
+            name: None,
+            nth: Some(at),
+            remaining: 1,
+            code,
+        });
+    }
+
+    /// Makes the next `times` calls of the entry point `name` fail with `code`
+    /// (`u64::MAX`: every call until [`SimDriver::clear_faults`]).
+    pub fn fail_calls(&self, name: &'static str, code: ErrorCode, times: u64) {
+        self.lock().faults.push(Fault {
+            name: Some(name),
+            nth: None,
+            remaining: times,
+            code,
+        });
+    }
+
+    /// Removes every injected fault.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// The logged calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().log.clone().unwrap_or_default()
+    }
+
+    /// Clears the call log.
+    pub fn clear_calls(&self) {
+        if let Some(l) = self.lock().log.as_mut() {
+            l.clear()
+        }
+    }
+
+    /// Turns the call log on or off (the demo turns it off).
+    pub fn set_logging(&self, on: bool) {
+        self.lock().log = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// The number of driver calls made so far.
+    pub fn call_count(&self) -> u64 {
+        self.lock().calls
+    }
+}

@@ -1,0 +1,972 @@
+//! The simulated driver: a pure-Rust model of the parts of the CUDA driver the crate uses.
+//!
+//! * Streams are FIFO queues of operations; an operation starts when it reaches the head of its
+//!   queue (and, for an event wait, when the event's record has completed) and completes a fixed
+//!   simulated duration later. Host functions run on a real thread (one per simulation, as
+//!   the driver's) and complete when they return, so a test can hold a stream busy on a channel,
+//!   as on the GPU.
+//! * Time comes from a clock that tests advance by hand ([`SimDriver::advance`]); waiting calls
+//!   (`stream_synchronize`, ...) jump the clock to the next completion, as if the CPU had waited.
+//!   With a [`Latency`] model the clock is real time instead and every API call costs the CPU time
+//!   measured on an H200 (docs/gpu.md), so that the demo's strategies differ as they do on the GPU.
+//! * Capture follows the driver's rules: a nested begin returns `CUDA_ERROR_ILLEGAL_STATE` and
+//!   leaves the outer capture active; querying or synchronizing a capturing stream, or making an
+//!   unsafe call while a conflicting capture is active, returns
+//!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture.
+//! * Device memory holds real bytes, so results can be checked; use after free, double frees and
+//!   operations on destroyed handles are recorded as misuse ([`SimDriver::misuse`]).
+//! * Happens-before is tracked with vector clocks (streams.rs) and every device access is checked
+//!   against the allocation's history (memory.rs): unordered accesses on different streams
+//!   (races), use after free and uninitialised reads are reported whatever the simulated
+//!   durations are ([`SimDriver::findings`]), so the simulation is at least as strict as the
+//!   real driver: a missing dependency is found even when the work takes no simulated time.
+//! * Capture follows the driver's rules as measured on an H200, fork/join, isolation and the
+//!   table of calls that invalidate captures included (capture.rs).
+//! * Host functions run one at a time on one worker thread, as on the real driver, and may not
+//!   call the driver (streams.rs).
+//! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
+//!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
+
+use super::*;
+use crate::error::{Error, ErrorCode};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::CStr;
+use std::os::raw::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+mod capture;
+mod events;
+mod faults;
+mod latency;
+mod memory;
+mod streams;
+
+use capture::*;
+use events::*;
+use faults::Fault;
+use memory::*;
+use streams::*;
+
+pub use faults::Call;
+use latency::spin;
+pub use latency::Latency;
+
+/// Device memory the driver keeps per live stream, as measured on the H200.
+pub const STREAM_BYTES: u64 = 560 * 1024;
+
+/// Configuration of a [`SimDriver`].
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Name returned by `device_name`.
+    pub device_name: String,
+    /// Number of devices.
+    pub devices: i32,
+    /// (least, greatest) stream priority; the H200's is (0, -5).
+    pub priority_range: (i32, i32),
+    /// Device memory in bytes.
+    pub total_memory: u64,
+    /// `cuDriverGetVersion`.
+    pub driver_version: i32,
+    /// `Some`: real-time clock and API costs (the demo); `None`: manual clock, no costs (tests).
+    pub latency: Option<Latency>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            device_name: "Simulated H200".into(),
+            devices: 1,
+            priority_range: (0, -5),
+            total_memory: 141 << 30,
+            driver_version: 13000,
+            latency: None,
+        }
+    }
+}
+
+/// Counters of live and total resources.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Streams alive now (the legacy stream not counted).
+    pub live_streams: u64,
+    /// Most streams alive at once.
+    pub peak_streams: u64,
+    /// Streams created.
+    pub streams_created: u64,
+    /// Streams destroyed.
+    pub streams_destroyed: u64,
+    /// Events alive now.
+    pub live_events: u64,
+    /// Bytes of allocations alive now (not counting stream overhead).
+    pub live_alloc_bytes: u64,
+    /// Allocations alive now.
+    pub live_allocs: u64,
+    /// Most device memory in use at once, streams' share included.
+    pub peak_device_bytes: u64,
+    /// Graphs alive now.
+    pub live_graphs: u64,
+    /// Executable graphs alive now.
+    pub live_graph_execs: u64,
+    /// Modules loaded now.
+    pub live_modules: u64,
+    /// Contexts retained now.
+    pub live_contexts: u64,
+}
+
+struct State {
+    next_id: u64,
+    next_ptr: u64,
+    contexts: HashMap<u64, (u64, u64)>, // ctx -> (device, retains)
+    primary: HashMap<u64, u64>,         // device -> ctx
+    streams: HashMap<u64, SimStream>,
+    events: HashMap<u64, SimEvent>,
+    /// Destroyed events with records still pending, which enqueued waits still wait for.
+    retired_events: HashMap<u64, SimEvent>,
+    allocs: BTreeMap<u64, SimAlloc>,
+    graphs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
+    execs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
+    modules: HashMap<u64, ()>,
+    functions: HashMap<u64, Kernel>,
+    release_threshold: u64,
+    log: Option<Vec<Call>>,
+    faults: Vec<Fault>,
+    calls: u64,
+    misuse: Vec<String>,
+    counters: SimCounters,
+    capture_seq: u64,
+    /// Live captures by id.
+    captures: HashMap<u64, Capture>,
+    /// What the host has observed complete (one clock per process; see streams.rs).
+    host_vc: Vc,
+    /// Bumped whenever `host_vc` grows (streams skip joining an unchanged host clock).
+    host_version: u64,
+    /// Freed ranges: base -> (bytes, the free's description).
+    freed: BTreeMap<u64, (u64, String)>,
+    /// The host-function worker, started on first use.
+    host_tx: Option<std::sync::mpsc::Sender<HostJob>>,
+    pool_streams: u64,
+    /// Streams with a non-empty queue: `progress` visits only these.
+    busy: std::collections::BTreeSet<u64>,
+}
+
+static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
+
+/// The simulated driver. Thread-safe; cheap to create.
+///
+/// ```
+/// use cuda_stream_pool::driver::{Driver, SimDriver};
+/// use cuda_stream_pool::{Context, ErrorCode};
+/// use std::sync::Arc;
+/// let sim = Arc::new(SimDriver::new());
+/// let ctx = Context::primary(sim.clone(), 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// sim.enqueue_work(s.raw(), 1_000).unwrap();       // 1 µs of GPU work
+/// assert!(!s.query().unwrap());
+/// sim.advance(1_000);                               // the test moves the clock
+/// assert!(s.query().unwrap());
+/// sim.fail_calls("cuStreamQuery", ErrorCode::ERROR_UNKNOWN, 1);   // fault injection
+/// assert!(s.query().is_err());
+/// assert!(sim.calls().iter().any(|c| c.name == "cuStreamQuery" && !c.ok));
+/// assert!(sim.misuse().is_empty());
+/// ```
+pub struct SimDriver {
+    id: u64,
+    cfg: SimConfig,
+    clock: Clock,
+    state: Mutex<State>,
+    cv: Arc<Condvar>,
+    /// Driver calls made from host functions (recorded without the state lock, which a graph's
+    /// host node runs under).
+    host_calls: Mutex<Vec<String>>,
+}
+
+impl std::fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("id", &self.id)
+            .field("now", &self.clock.now())
+            .finish()
+    }
+}
+
+impl Default for SimDriver {
+    fn default() -> Self {
+        SimDriver::new()
+    }
+}
+
+fn err(code: ErrorCode, call: &'static str) -> Error {
+    Error::driver(code, call)
+}
+
+impl SimDriver {
+    /// A simulation with a manual clock and the H200's properties.
+    pub fn new() -> SimDriver {
+        SimDriver::with_config(SimConfig::default())
+    }
+
+    /// A simulation with a real-time clock and the H200's latencies (the demo's model).
+    pub fn realtime() -> SimDriver {
+        SimDriver::with_config(SimConfig {
+            latency: Some(Latency::default()),
+            ..SimConfig::default()
+        })
+    }
+
+    /// A simulation with the given configuration.
+    pub fn with_config(cfg: SimConfig) -> SimDriver {
+        let clock = if cfg.latency.is_some() {
+            Clock::Real(Instant::now())
+        } else {
+            Clock::Manual(AtomicU64::new(0))
+        };
+        let mut streams = HashMap::new();
+        streams.insert(0, SimStream::new(0, 0, 0));
+        SimDriver {
+            id: NEXT_SIM.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            clock,
+            state: Mutex::new(State {
+                next_id: 0x1000,
+                next_ptr: 0x7f00_0000_0000,
+                contexts: HashMap::new(),
+                primary: HashMap::new(),
+                streams,
+                events: HashMap::new(),
+                retired_events: HashMap::new(),
+                allocs: BTreeMap::new(),
+                graphs: HashMap::new(),
+                execs: HashMap::new(),
+                modules: HashMap::new(),
+                functions: HashMap::new(),
+                release_threshold: 0,
+                log: Some(Vec::new()),
+                faults: Vec::new(),
+                calls: 0,
+                misuse: Vec::new(),
+                counters: SimCounters::default(),
+                capture_seq: 0,
+                captures: HashMap::new(),
+                host_vc: Vc::default(),
+                host_version: 0,
+                freed: BTreeMap::new(),
+                host_tx: None,
+                pool_streams: 0,
+                busy: std::collections::BTreeSet::new(),
+            }),
+            cv: Arc::new(Condvar::new()),
+            host_calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock (only possible in a test's host function bookkeeping)
+        // must not poison the simulation for everyone else.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn need_ctx(&self, st: &mut State, call: &'static str) -> Result<u64> {
+        let ctx = self.thread().ctx;
+        if ctx == 0 || !st.contexts.contains_key(&ctx) {
+            Self::fail_last(st);
+            return Err(err(ErrorCode::ERROR_INVALID_CONTEXT, call));
+        }
+        Ok(ctx)
+    }
+
+    fn note_misuse(st: &mut State, what: String) {
+        st.misuse.push(what);
+    }
+
+    fn new_id(st: &mut State) -> u64 {
+        st.next_id += 0x10;
+        st.next_id
+    }
+
+    // ---- test controls ----------------------------------------------------------------------
+
+    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks.
+    pub fn misuse(&self) -> Vec<String> {
+        let mut m = self.lock().misuse.clone();
+        m.extend(
+            self.host_calls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned(),
+        );
+        m
+    }
+
+    /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
+    /// after free (`"use-after-free: ..."`), uninitialised reads (`"uninitialised read: ..."`)
+    /// and accesses to graph-owned memory before the graph ran.
+    pub fn findings(&self) -> Vec<String> {
+        self.misuse()
+            .into_iter()
+            .filter(|m| is_finding(m))
+            .collect()
+    }
+
+    /// Resource counters.
+    pub fn counters(&self) -> SimCounters {
+        self.lock().counters.clone()
+    }
+}
+
+impl Driver for SimDriver {
+    fn kind(&self) -> &'static str {
+        "sim"
+    }
+
+    fn init(&self) -> Result<()> {
+        self.enter("cuInit", None, None, None).map(|_| ())
+    }
+
+    fn driver_version(&self) -> Result<i32> {
+        drop(self.enter("cuDriverGetVersion", None, None, None)?);
+        Ok(self.cfg.driver_version)
+    }
+
+    fn device_count(&self) -> Result<i32> {
+        drop(self.enter("cuDeviceGetCount", None, None, None)?);
+        Ok(self.cfg.devices)
+    }
+
+    fn device_get(&self, ordinal: i32) -> Result<Device> {
+        let mut st = self.enter("cuDeviceGet", None, None, None)?;
+        if ordinal < 0 || ordinal >= self.cfg.devices {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGet");
+        }
+        Ok(Device(ordinal as u64))
+    }
+
+    fn device_name(&self, dev: Device) -> Result<String> {
+        let mut st = self.enter("cuDeviceGetName", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_DEVICE, "cuDeviceGetName");
+        }
+        Ok(self.cfg.device_name.clone())
+    }
+
+    fn device_attribute(&self, dev: Device, attr: DeviceAttr) -> Result<i32> {
+        let mut st = self.enter("cuDeviceGetAttribute", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDeviceGetAttribute",
+            );
+        }
+        Ok(match attr {
+            DeviceAttr::MultiprocessorCount => 132,
+            DeviceAttr::ComputeCapabilityMajor => 9,
+            DeviceAttr::ComputeCapabilityMinor => 0,
+            DeviceAttr::MemoryPoolsSupported => 1,
+        })
+    }
+
+    fn primary_ctx_retain(&self, dev: Device) -> Result<Context> {
+        let mut st = self.enter("cuDevicePrimaryCtxRetain", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDevicePrimaryCtxRetain",
+            );
+        }
+        let ctx = match st.primary.get(&dev.0) {
+            Some(c) => *c,
+            None => {
+                let c = Self::new_id(&mut st);
+                st.primary.insert(dev.0, c);
+                st.contexts.insert(c, (dev.0, 0));
+                c
+            }
+        };
+        let e = st.contexts.get_mut(&ctx).unwrap();
+        e.1 += 1;
+        if e.1 == 1 {
+            st.counters.live_contexts += 1;
+        }
+        Ok(Context(ctx))
+    }
+
+    unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
+        let mut st = self.enter("cuDevicePrimaryCtxRelease_v2", None, None, None)?;
+        let ctx = st.primary.get(&dev.0).copied();
+        match ctx.and_then(|c| st.contexts.get_mut(&c)) {
+            Some(e) if e.1 > 0 => {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    st.counters.live_contexts -= 1;
+                }
+                Ok(())
+            }
+            _ => Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_CONTEXT,
+                "cuDevicePrimaryCtxRelease_v2",
+            ),
+        }
+    }
+
+    fn ctx_get_current(&self) -> Result<Context> {
+        drop(self.enter("cuCtxGetCurrent", None, None, None)?);
+        Ok(Context(self.thread().ctx))
+    }
+
+    unsafe fn ctx_set_current(&self, ctx: Context) -> Result<()> {
+        let mut st = self.enter("cuCtxSetCurrent", None, None, None)?;
+        if !ctx.is_null() && !st.contexts.contains_key(&ctx.0) {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_CONTEXT, "cuCtxSetCurrent");
+        }
+        self.set_thread(|t| t.ctx = ctx.0);
+        Ok(())
+    }
+
+    fn ctx_get_device(&self) -> Result<Device> {
+        let mut st = self.enter("cuCtxGetDevice", None, None, None)?;
+        let ctx = self.need_ctx(&mut st, "cuCtxGetDevice")?;
+        Ok(Device(st.contexts[&ctx].0))
+    }
+
+    fn ctx_synchronize(&self) -> Result<()> {
+        let mut st = self.enter("cuCtxSynchronize", None, None, None)?;
+        self.need_ctx(&mut st, "cuCtxSynchronize")?;
+        self.unsafe_call(&mut st, "cuCtxSynchronize")?;
+        if let Some(l) = self.lat() {
+            // Synchronizing a context costs more with every live stream that has done work
+            // (measured on the H200: 0.1 ms at 10, 2.6 ms at 1,000, 83 ms at 5,000, 319 ms at 12,000).
+            let n = st.counters.live_streams;
+            let per = (2_600 + 3_500 * n.saturating_sub(1_000) / 1_000).min(27_000);
+            let ns = n * per.max(10_000 * n.min(10) / n.max(1));
+            drop(st);
+            spin(ns.min(l.sync * 200_000));
+            st = self.lock();
+        }
+        self.wait_until(
+            st,
+            "cuCtxSynchronize",
+            |st| st.busy.is_empty(),
+            |st| {
+                let all: Vec<Arc<Vc>> = st.streams.values().map(|s| s.vc.clone()).collect();
+                for vc in &all {
+                    Self::host_observes(st, vc);
+                }
+            },
+        )
+    }
+
+    fn ctx_stream_priority_range(&self) -> Result<(i32, i32)> {
+        drop(self.enter("cuCtxGetStreamPriorityRange", None, None, None)?);
+        Ok(self.cfg.priority_range)
+    }
+
+    fn stream_create(&self, flags: u32, priority: i32) -> Result<Stream> {
+        self.cost(|l| l.stream_create);
+        let mut st = self.enter("cuStreamCreateWithPriority", None, None, None)?;
+        self.need_ctx(&mut st, "cuStreamCreateWithPriority")?;
+        if flags > stream_flags::NON_BLOCKING {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuStreamCreateWithPriority",
+            );
+        }
+        if st.counters.live_streams * STREAM_BYTES + st.counters.live_alloc_bytes + STREAM_BYTES
+            > self.cfg.total_memory
+        {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_OUT_OF_MEMORY,
+                "cuStreamCreateWithPriority",
+            );
+        }
+        let (least, greatest) = self.cfg.priority_range;
+        let priority = priority.clamp(greatest, least);
+        let id = Self::new_id(&mut st);
+        let ctx = self.thread().ctx;
+        st.streams.insert(id, SimStream::new(ctx, flags, priority));
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.stream = Some(Stream(id));
+        }
+        let c = &mut st.counters;
+        c.live_streams += 1;
+        c.streams_created += 1;
+        c.peak_streams = c.peak_streams.max(c.live_streams);
+        self.note_peak(&mut st);
+        Ok(Stream(id))
+    }
+
+    unsafe fn stream_destroy(&self, stream: Stream) -> Result<()> {
+        self.cost(|l| l.stream_destroy);
+        let mut st = self.enter("cuStreamDestroy_v2", Some(stream), None, None)?;
+        if stream.is_null() {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_HANDLE,
+                "cuStreamDestroy_v2",
+            );
+        }
+        Self::check_stream(&mut st, stream, "cuStreamDestroy_v2")?;
+        self.progress(&mut st);
+        let s = st.streams.remove(&stream.0).unwrap();
+        st.busy.remove(&stream.0);
+        if !s.queue.is_empty() {
+            // The driver returns at once and finishes the work later; the crate must never do
+            // this, so the simulation reports it (and completes the work's effects now).
+            Self::note_misuse(
+                &mut st,
+                format!("stream {:#x} destroyed with pending work", stream.0),
+            );
+            let now = self.clock.now();
+            for op in s.queue {
+                if matches!(op.kind, OpKind::Effect(_) | OpKind::Graph(_)) {
+                    Self::complete(&mut st, stream.0, op, now);
+                }
+            }
+        }
+        if let Some(id) = s.capture {
+            Self::note_misuse(
+                &mut st,
+                format!("stream {:#x} destroyed while capturing", stream.0),
+            );
+            if st.captures.get(&id).is_some_and(|c| c.origin == stream.0) {
+                Self::drop_capture(&mut st, id);
+            } else if let Some(c) = st.captures.get_mut(&id) {
+                c.forked.remove(&stream.0);
+            }
+        }
+        if s.used_pool {
+            st.pool_streams -= 1;
+        }
+        st.counters.live_streams -= 1;
+        st.counters.streams_destroyed += 1;
+        Ok(())
+    }
+
+    unsafe fn stream_query(&self, stream: Stream) -> Result<bool> {
+        self.cost(|l| l.query);
+        let mut st = self.enter("cuStreamQuery", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamQuery")?;
+        Self::not_capturing(&mut st, stream, "cuStreamQuery")?;
+        self.unsafe_call(&mut st, "cuStreamQuery")?;
+        self.progress(&mut st);
+        let idle = st.streams[&stream.0].queue.is_empty();
+        if idle {
+            let vc = st.streams[&stream.0].vc.clone();
+            Self::host_observes(&mut st, &vc);
+        }
+        Ok(idle)
+    }
+
+    unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()> {
+        let mut st = self.enter("cuStreamSynchronize", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamSynchronize")?;
+        Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
+        self.unsafe_call(&mut st, "cuStreamSynchronize")?;
+        self.wait_until(
+            st,
+            "cuStreamSynchronize",
+            |st| st.streams.get(&stream.0).is_none_or(|s| s.queue.is_empty()),
+            |st| {
+                if let Some(vc) = st.streams.get(&stream.0).map(|s| s.vc.clone()) {
+                    Self::host_observes(st, &vc);
+                }
+            },
+        )
+    }
+
+    unsafe fn stream_priority(&self, stream: Stream) -> Result<i32> {
+        let mut st = self.enter("cuStreamGetPriority", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetPriority")?;
+        Ok(st.streams[&stream.0].priority)
+    }
+
+    unsafe fn stream_flags(&self, stream: Stream) -> Result<u32> {
+        let mut st = self.enter("cuStreamGetFlags", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetFlags")?;
+        Ok(st.streams[&stream.0].flags)
+    }
+
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        self.do_stream_wait_event(stream, event)
+    }
+
+    fn event_create(&self, flags: u32) -> Result<Event> {
+        self.cost(|l| l.event);
+        let mut st = self.enter("cuEventCreate", None, None, None)?;
+        self.need_ctx(&mut st, "cuEventCreate")?;
+        if flags > 0xf {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuEventCreate");
+        }
+        let id = Self::new_id(&mut st);
+        st.events.insert(id, SimEvent::default());
+        st.counters.live_events += 1;
+        if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
+            c.event = Some(Event(id));
+        }
+        Ok(Event(id))
+    }
+
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+        self.do_event_record(event, stream)
+    }
+
+    unsafe fn event_query(&self, event: Event) -> Result<bool> {
+        self.do_event_query(event)
+    }
+
+    unsafe fn event_synchronize(&self, event: Event) -> Result<()> {
+        self.do_event_synchronize(event)
+    }
+
+    unsafe fn event_destroy(&self, event: Event) -> Result<()> {
+        self.do_event_destroy(event)
+    }
+
+    unsafe fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+        self.do_mem_alloc_async(bytes, stream)
+    }
+
+    unsafe fn mem_alloc_from_pool_async(
+        &self,
+        bytes: usize,
+        pool: MemPool,
+        stream: Stream,
+    ) -> Result<DevicePtr> {
+        {
+            let mut st = self.enter("cuMemAllocFromPoolAsync", Some(stream), None, None)?;
+            if pool.0 != 1 {
+                return Self::fail(
+                    &mut st,
+                    ErrorCode::ERROR_INVALID_VALUE,
+                    "cuMemAllocFromPoolAsync",
+                );
+            }
+        }
+        self.mem_alloc_async(bytes, stream)
+    }
+
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.do_mem_free_async(ptr, stream)
+    }
+
+    fn device_default_mem_pool(&self, dev: Device) -> Result<MemPool> {
+        let mut st = self.enter("cuDeviceGetDefaultMemPool", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDeviceGetDefaultMemPool",
+            );
+        }
+        Ok(MemPool(1))
+    }
+
+    unsafe fn mem_pool_set_attribute(
+        &self,
+        pool: MemPool,
+        attr: MemPoolAttr,
+        value: u64,
+    ) -> Result<()> {
+        let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
+        if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuMemPoolSetAttribute",
+            );
+        }
+        st.release_threshold = value;
+        Ok(())
+    }
+
+    unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
+        let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
+        if pool.0 != 1 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuMemPoolGetAttribute",
+            );
+        }
+        Ok(match attr {
+            MemPoolAttr::ReleaseThreshold => st.release_threshold,
+            MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => {
+                st.counters.live_alloc_bytes
+            }
+        })
+    }
+
+    fn mem_get_info(&self) -> Result<(usize, usize)> {
+        let mut st = self.enter("cuMemGetInfo_v2", None, None, None)?;
+        self.need_ctx(&mut st, "cuMemGetInfo_v2")?;
+        let used = self.device_bytes(&st);
+        Ok((
+            (self.cfg.total_memory - used) as usize,
+            self.cfg.total_memory as usize,
+        ))
+    }
+
+    unsafe fn memset_d32_async(
+        &self,
+        dst: DevicePtr,
+        value: u32,
+        count: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.do_memset_d32_async(dst, value, count, stream)
+    }
+
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemcpyHtoDAsync_v2", Some(stream), None, Some(dst))?;
+        Self::check_stream(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
+        self.copy_context(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
+        Self::check_range(&mut st, dst.0, bytes, "cuMemcpyHtoDAsync_v2")?;
+        // SAFETY: the caller guarantees `src` is readable for `bytes`; the simulation copies the
+        // source at once (as the driver stages pageable memory), so it needs no longer life.
+        let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::HtoD { dst: dst.0, data }),
+            dur,
+            "cuMemcpyHtoDAsync_v2",
+        )
+    }
+
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuMemcpyDtoHAsync_v2", Some(stream), None, Some(src))?;
+        Self::check_stream(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
+        self.copy_context(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
+        Self::check_range(&mut st, src.0, bytes, "cuMemcpyDtoHAsync_v2")?;
+        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::DtoH {
+                dst: dst as usize,
+                src: src.0,
+                bytes,
+            }),
+            dur,
+            "cuMemcpyDtoHAsync_v2",
+        )
+    }
+
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
+        let mut st = self.enter("cuStreamBeginCapture_v2", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamBeginCapture_v2")?;
+        Self::begin_capture(&mut st, stream, mode)
+    }
+
+    unsafe fn stream_end_capture(&self, stream: Stream) -> Result<Graph> {
+        let mut st = self.enter("cuStreamEndCapture", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamEndCapture")?;
+        Self::end_capture(&mut st, stream)
+    }
+
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> Result<CaptureStatus> {
+        self.stream_capture_info(stream).map(|(s, _)| s)
+    }
+
+    unsafe fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
+        let mut st = self.enter("cuStreamGetCaptureInfo_v3", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuStreamGetCaptureInfo_v3")?;
+        let cap = Self::capture_of(&st, stream.0).and_then(|id| st.captures.get(&id));
+        Ok(match cap {
+            None => (CaptureStatus::None, 0),
+            Some(c) if c.invalidated => (CaptureStatus::Invalidated, c.id),
+            Some(c) => (CaptureStatus::Active, c.id),
+        })
+    }
+
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        drop(self.enter("cuThreadExchangeStreamCaptureMode", None, None, None)?);
+        let mut old = CaptureMode::Global;
+        self.set_thread(|t| {
+            old = t.mode;
+            t.mode = mode;
+        });
+        Ok(old)
+    }
+
+    unsafe fn graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
+        self.do_graph_instantiate(graph)
+    }
+
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        self.do_graph_launch(exec, stream)
+    }
+
+    unsafe fn graph_upload(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        let mut st = self.enter("cuGraphUpload", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuGraphUpload")?;
+        if !st.execs.contains_key(&exec.0) {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphUpload");
+        }
+        Ok(())
+    }
+
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> Result<()> {
+        let mut st = self.enter("cuGraphExecDestroy", None, None, None)?;
+        if st.execs.remove(&exec.0).is_none() {
+            Self::note_misuse(
+                &mut st,
+                format!("destroy of unknown graph exec {:#x}", exec.0),
+            );
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_VALUE,
+                "cuGraphExecDestroy",
+            );
+        }
+        st.counters.live_graph_execs -= 1;
+        Ok(())
+    }
+
+    unsafe fn graph_destroy(&self, graph: Graph) -> Result<()> {
+        self.do_graph_destroy(graph)
+    }
+
+    unsafe fn graph_node_count(&self, graph: Graph) -> Result<usize> {
+        let mut st = self.enter("cuGraphGetNodes", None, None, None)?;
+        match st.graphs.get(&graph.0) {
+            Some(g) => Ok(g.len()),
+            None => Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuGraphGetNodes"),
+        }
+    }
+
+    fn module_load_data(&self, image: &CStr) -> Result<Module> {
+        let mut st = self.enter("cuModuleLoadData", None, None, None)?;
+        self.need_ctx(&mut st, "cuModuleLoadData")?;
+        if !image.to_bytes().windows(8).any(|w| w == b".version") {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_PTX, "cuModuleLoadData");
+        }
+        let id = Self::new_id(&mut st);
+        st.modules.insert(id, ());
+        st.counters.live_modules += 1;
+        Ok(Module(id))
+    }
+
+    unsafe fn module_get_function(&self, module: Module, name: &CStr) -> Result<Function> {
+        let mut st = self.enter("cuModuleGetFunction", None, None, None)?;
+        if !st.modules.contains_key(&module.0) {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_HANDLE,
+                "cuModuleGetFunction",
+            );
+        }
+        let Some(k) = name.to_str().ok().and_then(Kernel::by_name) else {
+            return Self::fail(&mut st, ErrorCode::ERROR_NOT_FOUND, "cuModuleGetFunction");
+        };
+        let id = Self::new_id(&mut st);
+        st.functions.insert(id, k);
+        Ok(Function(id))
+    }
+
+    unsafe fn module_unload(&self, module: Module) -> Result<()> {
+        let mut st = self.enter("cuModuleUnload", None, None, None)?;
+        if st.modules.remove(&module.0).is_none() {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleUnload");
+        }
+        st.counters.live_modules -= 1;
+        Ok(())
+    }
+
+    unsafe fn launch_kernel(
+        &self,
+        func: Function,
+        _grid: [u32; 3],
+        _block: [u32; 3],
+        _shared_bytes: u32,
+        stream: Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuLaunchKernel", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuLaunchKernel")?;
+        let Some(k) = st.functions.get(&func.0).copied() else {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuLaunchKernel");
+        };
+        if params.len() != k.arity() {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuLaunchKernel");
+        }
+        // SAFETY: the caller guarantees each parameter pointer points to a value of the kernel's
+        // declared type: a 64-bit device pointer first (and second for the sum), then 32-bit
+        // unsigned integers.
+        let args: Vec<u64> = unsafe {
+            match k {
+                Kernel::AddOneF32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u32) as u64,
+                ],
+                Kernel::SumF32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u64),
+                    *(params[2] as *const u32) as u64,
+                ],
+                Kernel::AddU32 => vec![
+                    *(params[0] as *const u64),
+                    *(params[1] as *const u32) as u64,
+                    *(params[2] as *const u32) as u64,
+                ],
+            }
+        };
+        let n = if k == Kernel::SumF32 {
+            args[2]
+        } else {
+            args[1]
+        } as usize;
+        Self::check_range(&mut st, args[0], n * 4, "cuLaunchKernel")?;
+        if k == Kernel::SumF32 {
+            Self::check_range(&mut st, args[1], 4, "cuLaunchKernel")?;
+        }
+        let dur = self.lat().map_or(0, |l| l.kernel_gpu);
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Kernel { k, args }),
+            dur,
+            "cuLaunchKernel",
+        )
+    }
+
+    unsafe fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+        self.cost(|l| l.launch);
+        let mut st = self.enter("cuLaunchHostFunc", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "cuLaunchHostFunc")?;
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Host {
+                f: Some(f),
+                done: Arc::new(AtomicBool::new(false)),
+            },
+            0,
+            "cuLaunchHostFunc",
+        )
+    }
+}

@@ -1,0 +1,535 @@
+//! Streams, simulated time and happens-before.
+//!
+//! * Each stream is a FIFO queue of operations that start when they reach the head of the queue
+//!   (and, for an event wait, when the awaited record has completed) and complete a fixed
+//!   simulated duration later. The clock is advanced by hand in tests, or is real time under a
+//!   latency model; waiting calls jump the manual clock to the next completion, as if the CPU had
+//!   waited.
+//! * Host functions (`cuLaunchHostFunc`) run on ONE worker thread per simulation, one at a time
+//!   in the order they start, as the real driver runs all host functions of a context on a single
+//!   driver thread: a host function that blocks delays every other one. A driver call made from
+//!   inside a host function fails with `CUDA_ERROR_NOT_PERMITTED` and is recorded as misuse (the
+//!   real driver returns that error or deadlocks).
+//! * Happens-before is tracked with vector clocks ([`Vc`]): every stream has one, every enqueued
+//!   operation keeps a copy, event records carry the recording stream's clock and event waits
+//!   join it, and the host has one clock (per process, which is slightly more forgiving than the
+//!   per-thread truth) that joins whatever a synchronizing call or a successful query observed
+//!   complete; every operation enqueued later joins the host clock. The memory module uses these
+//!   clocks to find unordered accesses (races), whatever the simulated durations are.
+//!
+//!   Limits of the model: a host function's completion is not a host observation (code that
+//!   learns of completion only through a callback is reported, where the real driver would have
+//!   ordered it); the legacy default stream's implicit synchronization with blocking streams is
+//!   not modelled (so work on it is reported as unordered, stricter than CUDA); the operations of
+//!   one graph launch share the launch's clock, so races between unordered branches inside one
+//!   graph are not found.
+
+use super::*;
+use std::cell::Cell;
+use std::sync::mpsc;
+
+/// A vector clock: stream id -> number of operations of that stream that are ordered before,
+/// as a vector sorted by stream id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Vc(Vec<(u64, u64)>);
+
+impl Vc {
+    /// The component of stream `s`.
+    pub(super) fn get(&self, s: u64) -> u64 {
+        match self.0.binary_search_by_key(&s, |e| e.0) {
+            Ok(i) => self.0[i].1,
+            Err(_) => 0,
+        }
+    }
+    /// Pointwise maximum; whether `self` changed.
+    pub(super) fn join(&mut self, other: &Vc) -> bool {
+        if other.0.is_empty() || self.0 == other.0 {
+            return false;
+        }
+        let (mut i, mut j) = (0, 0);
+        let mut out = Vec::with_capacity(self.0.len().max(other.0.len()));
+        let mut changed = false;
+        while i < self.0.len() || j < other.0.len() {
+            match (self.0.get(i), other.0.get(j)) {
+                (Some(a), Some(b)) if a.0 == b.0 => {
+                    changed |= b.1 > a.1;
+                    out.push((a.0, a.1.max(b.1)));
+                    i += 1;
+                    j += 1;
+                }
+                (Some(a), Some(b)) if a.0 < b.0 => {
+                    out.push(*a);
+                    i += 1;
+                }
+                (Some(a), None) => {
+                    out.push(*a);
+                    i += 1;
+                }
+                (_, Some(b)) => {
+                    changed = true;
+                    out.push(*b);
+                    j += 1;
+                }
+                (None, None) => unreachable!(),
+            }
+        }
+        if changed {
+            self.0 = out;
+        }
+        changed
+    }
+    /// Increments the component of stream `s`, returning the new value.
+    pub(super) fn tick(&mut self, s: u64) -> u64 {
+        match self.0.binary_search_by_key(&s, |e| e.0) {
+            Ok(i) => {
+                self.0[i].1 += 1;
+                self.0[i].1
+            }
+            Err(i) => {
+                self.0.insert(i, (s, 1));
+                1
+            }
+        }
+    }
+}
+
+/// How an effect executes: on which stream, with which clock, and whether as part of a graph.
+pub(super) struct Exec<'a> {
+    pub(super) stream: u64,
+    pub(super) vc: &'a Vc,
+    pub(super) graph: bool,
+}
+
+pub(super) enum OpKind {
+    Effect(Effect),
+    Record {
+        event: u64,
+        seq: u64,
+    },
+    Wait {
+        event: u64,
+        seq: u64,
+    },
+    Host {
+        f: Option<HostFn>,
+        done: Arc<AtomicBool>,
+    },
+    Graph(Arc<Vec<(Effect, u64)>>),
+}
+
+pub(super) struct Op {
+    pub(super) kind: OpKind,
+    pub(super) dur: u64,
+    pub(super) start: Option<u64>,
+    pub(super) enq: u64,
+    /// The stream's clock when the operation was enqueued.
+    pub(super) vc: Arc<Vc>,
+}
+
+pub(super) struct SimStream {
+    /// The context the stream was created in (0 for the legacy stream).
+    pub(super) ctx: u64,
+    pub(super) flags: u32,
+    pub(super) priority: i32,
+    pub(super) queue: VecDeque<Op>,
+    pub(super) free_at: u64,
+    /// The id of the capture the stream takes part in (as origin or pulled in by an event wait).
+    pub(super) capture: Option<u64>,
+    pub(super) used_pool: bool,
+    /// The stream's vector clock (shared with the operations that snapshot it).
+    pub(super) vc: Arc<Vc>,
+    /// The version of the host's clock last joined into `vc`.
+    pub(super) host_seen: u64,
+}
+
+impl SimStream {
+    pub(super) fn new(ctx: u64, flags: u32, priority: i32) -> SimStream {
+        SimStream {
+            ctx,
+            flags,
+            priority,
+            queue: VecDeque::new(),
+            free_at: 0,
+            capture: None,
+            used_pool: false,
+            vc: Arc::default(),
+            host_seen: 0,
+        }
+    }
+}
+
+pub(super) enum Clock {
+    Manual(AtomicU64),
+    Real(Instant),
+}
+
+impl Clock {
+    pub(super) fn now(&self) -> u64 {
+        match self {
+            Clock::Manual(t) => t.load(Ordering::Acquire),
+            Clock::Real(start) => start.elapsed().as_nanos() as u64,
+        }
+    }
+}
+
+thread_local! {
+    /// Set while this thread runs a host function for the simulation.
+    pub(super) static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` as a host function: with [`IN_HOST_FN`] set and panics caught.
+pub(super) fn run_host_fn(f: HostFn) {
+    IN_HOST_FN.with(|c| c.set(true));
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    IN_HOST_FN.with(|c| c.set(false));
+}
+
+/// A job of the host-function worker thread.
+pub(super) type HostJob = Box<dyn FnOnce() + Send + 'static>;
+
+/// Starts the single host-function worker thread: jobs run one at a time, in send order; the
+/// thread ends when the sender is dropped (with the simulation).
+pub(super) fn host_worker() -> mpsc::Sender<HostJob> {
+    let (tx, rx) = mpsc::channel::<HostJob>();
+    std::thread::Builder::new()
+        .name("sim-host-fn".into())
+        .spawn(move || {
+            while let Ok(job) = rx.recv() {
+                job();
+            }
+        })
+        .expect("spawn the simulation's host-function thread");
+    tx
+}
+
+impl SimDriver {
+    pub(super) fn check_stream(st: &mut State, s: Stream, call: &'static str) -> Result<()> {
+        if st.streams.contains_key(&s.0) {
+            Ok(())
+        } else {
+            Self::note_misuse(
+                st,
+                format!("{call} on unknown or destroyed stream {:#x}", s.0),
+            );
+            Self::fail(st, ErrorCode::ERROR_INVALID_HANDLE, call)
+        }
+    }
+
+    /// Advances stream `s`'s clock for a new operation: joins the host's clock, then ticks.
+    pub(super) fn tick_stream(st: &mut State, s: u64) -> Arc<Vc> {
+        let stream = st.streams.get_mut(&s).expect("checked by the caller");
+        if stream.host_seen != st.host_version {
+            stream.host_seen = st.host_version;
+            Arc::make_mut(&mut stream.vc).join(&st.host_vc);
+        }
+        Arc::make_mut(&mut stream.vc).tick(s);
+        stream.vc.clone()
+    }
+
+    /// A stream's clock joins `vc` (an event wait).
+    pub(super) fn stream_joins(st: &mut State, s: u64, vc: &Vc) {
+        if let Some(stream) = st.streams.get_mut(&s) {
+            if !vc.0.is_empty() {
+                Arc::make_mut(&mut stream.vc).join(vc);
+            }
+        }
+    }
+
+    /// The host has observed everything ordered before `vc` complete.
+    pub(super) fn host_observes(st: &mut State, vc: &Vc) {
+        if st.host_vc.join(vc) {
+            st.host_version += 1;
+        }
+    }
+
+    /// Enqueues an operation on a stream, or records it into the stream's capture.
+    pub(super) fn enqueue(
+        &self,
+        st: &mut State,
+        s: Stream,
+        kind: OpKind,
+        dur: u64,
+        call: &'static str,
+    ) -> Result<()> {
+        let now = self.clock.now();
+        let cap = st.streams.get(&s.0).expect("checked by the caller").capture;
+        if let Some(id) = cap {
+            let c = st.captures.get_mut(&id).expect("a stream's capture exists");
+            if c.invalidated {
+                return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED, call);
+            }
+            // Every captured node advances the stream's tip (see capture.rs: fork/join).
+            *c.tips.entry(s.0).or_insert(0) += 1;
+            match kind {
+                OpKind::Effect(e) => c.ops.push((e, dur)),
+                OpKind::Host { f, .. } => c.ops.push((Effect::Host(Arc::new(Mutex::new(f))), dur)),
+                // Records and waits inside a capture become graph edges; the model keeps the
+                // graph's operations in enqueue order, which respects every edge.
+                OpKind::Record { .. } | OpKind::Wait { .. } => {}
+                OpKind::Graph(ops) => {
+                    for (e, d) in ops.iter() {
+                        c.ops.push((Self::clone_effect(e), *d));
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let vc = Self::tick_stream(st, s.0);
+        st.busy.insert(s.0);
+        let stream = st.streams.get_mut(&s.0).expect("checked by the caller");
+        stream.queue.push_back(Op {
+            kind,
+            dur,
+            start: None,
+            enq: now,
+            vc,
+        });
+        self.progress(st);
+        Ok(())
+    }
+
+    /// Completes every operation whose time has come, in stream order, following event waits.
+    pub(super) fn progress(&self, st: &mut State) {
+        let now = self.clock.now();
+        loop {
+            let mut changed = false;
+            let ids: Vec<u64> = st.busy.iter().copied().collect();
+            for id in ids {
+                loop {
+                    let (events, retired, streams) =
+                        (&st.events, &st.retired_events, &mut st.streams);
+                    let s = streams.get_mut(&id).unwrap();
+                    let free_at = s.free_at;
+                    let Some(head) = s.queue.front_mut() else {
+                        st.busy.remove(&id);
+                        break;
+                    };
+                    if head.start.is_none() {
+                        let eligible = match &head.kind {
+                            OpKind::Wait { event, seq } => {
+                                match events.get(event).or_else(|| retired.get(event)) {
+                                    Some(e) if e.is_done(*seq) => Some(e.done_at),
+                                    Some(_) => None,
+                                    None => Some(now),
+                                }
+                            }
+                            _ => Some(free_at),
+                        };
+                        let Some(t) = eligible else { break };
+                        head.start = Some(t.max(head.enq).max(free_at));
+                    }
+                    let start = head.start.unwrap();
+                    if start > now {
+                        break;
+                    }
+                    if let OpKind::Host { f, done } = &mut head.kind {
+                        if let Some(f) = f.take() {
+                            let done = done.clone();
+                            let cv = self.cv.clone();
+                            let tx = st.host_tx.get_or_insert_with(host_worker);
+                            let job: HostJob = Box::new(move || {
+                                run_host_fn(f);
+                                done.store(true, Ordering::Release);
+                                cv.notify_all();
+                            });
+                            if let Err(mpsc::SendError(job)) = tx.send(job) {
+                                job();
+                            }
+                        }
+                        if !done.load(Ordering::Acquire) {
+                            break;
+                        }
+                        head.dur = now.saturating_sub(start);
+                    }
+                    let end = start + head.dur;
+                    if end > now {
+                        break;
+                    }
+                    let op = s.queue.pop_front().unwrap();
+                    s.free_at = end;
+                    changed = true;
+                    Self::complete(st, id, op, end);
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Applies the effects of an operation that has completed (or that a destroyed stream
+    /// completes behind the caller's back).
+    pub(super) fn complete(st: &mut State, stream: u64, op: Op, end: u64) {
+        match op.kind {
+            OpKind::Effect(e) => {
+                let ex = Exec {
+                    stream,
+                    vc: &op.vc,
+                    graph: false,
+                };
+                Self::apply(st, &e, &ex)
+            }
+            OpKind::Graph(ops) => {
+                let ex = Exec {
+                    stream,
+                    vc: &op.vc,
+                    graph: true,
+                };
+                for (e, _) in ops.iter() {
+                    Self::apply(st, e, &ex);
+                }
+            }
+            OpKind::Record { event, seq } => {
+                if let Some(ev) = st.events.get_mut(&event) {
+                    ev.pending.remove(&seq);
+                    ev.done_at = ev.done_at.max(end);
+                } else if let Some(ev) = st.retired_events.get_mut(&event) {
+                    ev.pending.remove(&seq);
+                    ev.done_at = ev.done_at.max(end);
+                    if ev.pending.is_empty() {
+                        st.retired_events.remove(&event);
+                    }
+                }
+            }
+            OpKind::Wait { .. } | OpKind::Host { .. } => {}
+        }
+    }
+
+    /// Waits (jumping the manual clock, or sleeping on the real one) until `done` holds, then
+    /// lets `then` see the state (the host's observation of what completed).
+    pub(super) fn wait_until<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        call: &'static str,
+        done: impl Fn(&State) -> bool,
+        then: impl FnOnce(&mut State),
+    ) -> Result<()> {
+        loop {
+            self.progress(&mut st);
+            if done(&st) {
+                then(&mut st);
+                if let Some(l) = self.lat() {
+                    drop(st);
+                    spin(l.sync);
+                }
+                return Ok(());
+            }
+            // The next time something completes on its own.
+            let now = self.clock.now();
+            let mut next: Option<u64> = None;
+            let mut host_running = false;
+            for s in st.busy.iter().filter_map(|id| st.streams.get(id)) {
+                if let Some(h) = s.queue.front() {
+                    match (&h.kind, h.start) {
+                        (OpKind::Host { .. }, Some(_)) => host_running = true,
+                        (_, Some(t)) => {
+                            let end = (t + h.dur).max(now);
+                            next = Some(next.map_or(end, |n: u64| n.min(end)));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            match (next, &self.clock) {
+                (Some(t), Clock::Manual(c)) => {
+                    c.fetch_max(t, Ordering::AcqRel);
+                }
+                (Some(t), Clock::Real(_)) => {
+                    drop(st);
+                    let dt = t.saturating_sub(self.clock.now());
+                    if dt > 50_000 {
+                        std::thread::sleep(Duration::from_nanos(dt));
+                    } else {
+                        spin(dt);
+                    }
+                    st = self.lock();
+                }
+                (None, _) if host_running => {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                (None, _) => {
+                    Self::note_misuse(
+                        &mut st,
+                        format!("{call} would wait forever: nothing can complete"),
+                    );
+                    return Self::fail(&mut st, ErrorCode::ERROR_UNKNOWN, call);
+                }
+            }
+        }
+    }
+
+    /// Advances the manual clock by `ns` and completes what is due. No effect on a real clock.
+    pub fn advance(&self, ns: u64) {
+        if let Clock::Manual(c) = &self.clock {
+            c.fetch_add(ns, Ordering::AcqRel);
+        }
+        let mut st = self.lock();
+        self.progress(&mut st);
+    }
+
+    /// The simulated time in nanoseconds.
+    pub fn now(&self) -> u64 {
+        self.clock.now()
+    }
+
+    /// Enqueues `ns` of GPU work on a stream (a stand-in for a kernel in tests).
+    pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
+        let mut st = self.enter("sim:work", Some(stream), None, None)?;
+        Self::check_stream(&mut st, stream, "sim:work")?;
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Work),
+            ns,
+            "sim:work",
+        )
+    }
+
+    /// Enqueues `ns` of GPU work on a stream that reads (`write == false`) or writes
+    /// (`write == true`) the `bytes` bytes at `ptr`: a stand-in for a kernel that touches buffer
+    /// memory, so that tests and the property-test model can exercise the race detector. A write
+    /// initialises the bytes (their values are left as they are).
+    pub fn enqueue_access(
+        &self,
+        stream: Stream,
+        ptr: DevicePtr,
+        bytes: usize,
+        write: bool,
+        ns: u64,
+    ) -> Result<()> {
+        let mut st = self.enter("sim:access", Some(stream), None, Some(ptr))?;
+        Self::check_stream(&mut st, stream, "sim:access")?;
+        Self::check_range(&mut st, ptr.0, bytes, "sim:access")?;
+        self.enqueue(
+            &mut st,
+            stream,
+            OpKind::Effect(Effect::Access {
+                ptr: ptr.0,
+                bytes,
+                write,
+            }),
+            ns,
+            "sim:access",
+        )
+    }
+
+    /// Whether a stream has pending work, without the capture rules of `cuStreamQuery` and
+    /// without logging: the tests' view from outside.
+    pub fn is_busy(&self, stream: Stream) -> bool {
+        let mut st = self.lock();
+        self.progress(&mut st);
+        st.streams
+            .get(&stream.0)
+            .is_some_and(|s| !s.queue.is_empty())
+    }
+
+    /// Whether a stream exists (created and not destroyed).
+    pub fn stream_exists(&self, stream: Stream) -> bool {
+        self.lock().streams.contains_key(&stream.0)
+    }
+}
