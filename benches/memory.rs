@@ -20,8 +20,11 @@ use std::time::{Duration, Instant};
 const CHUNK: u64 = 256;
 
 fn raw(d: &dyn Driver, s: Stream) {
-    let p = d.mem_alloc_async(4096, s).unwrap();
-    d.mem_free_async(black_box(p), s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let p = d.mem_alloc_async(4096, s).unwrap();
+        d.mem_free_async(black_box(p), s).unwrap();
+    }
 }
 
 fn buffer(s: &StreamRef) {
@@ -50,22 +53,25 @@ fn interleaved(iters: u64, sync: &dyn Fn(), mine: &dyn Fn(), other: &dyn Fn()) -
 }
 
 fn benches(c: &mut Criterion) {
-    let d = common::driver();
-    let ctx = Context::primary(d.clone(), 0).unwrap();
-    let owner = ctx.owner();
-    let s = owner.stream().unwrap();
-    let r = s.raw();
-    let sync = || d.stream_synchronize(r).unwrap();
-    let run_raw = || raw(&*d, r);
-    let run_buf = || buffer(&s);
-    let mut g = c.benchmark_group("alloc_free_4KiB");
-    g.bench_function("raw", |b| {
-        b.iter_custom(|iters| interleaved(iters, &sync, &run_raw, &run_buf))
-    });
-    g.bench_function("device_buffer", |b| {
-        b.iter_custom(|iters| interleaved(iters, &sync, &run_buf, &run_raw))
-    });
-    g.finish();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let d = common::driver();
+        let ctx = Context::primary(d.clone(), 0).unwrap();
+        let owner = ctx.owner();
+        let s = owner.stream().unwrap();
+        let r = s.raw();
+        let sync = || d.stream_synchronize(r).unwrap();
+        let run_raw = || raw(&*d, r);
+        let run_buf = || buffer(&s);
+        let mut g = c.benchmark_group("alloc_free_4KiB");
+        g.bench_function("raw", |b| {
+            b.iter_custom(|iters| interleaved(iters, &sync, &run_raw, &run_buf))
+        });
+        g.bench_function("device_buffer", |b| {
+            b.iter_custom(|iters| interleaved(iters, &sync, &run_buf, &run_raw))
+        });
+        g.finish();
+    }
 }
 
 criterion_group! {

@@ -34,17 +34,20 @@ impl GlobalLockPool {
     }
 
     fn acquire(&self) -> usize {
-        let mut list = self.streams.lock().unwrap();
-        let _relaxed = CaptureModeGuard::new(&*self.d, CaptureMode::Relaxed).unwrap();
-        for (i, (s, in_use)) in list.iter_mut().enumerate() {
-            if !*in_use && self.d.stream_query(*s).unwrap() {
-                *in_use = true;
-                return i;
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            let mut list = self.streams.lock().unwrap();
+            let _relaxed = CaptureModeGuard::new(&*self.d, CaptureMode::Relaxed).unwrap();
+            for (i, (s, in_use)) in list.iter_mut().enumerate() {
+                if !*in_use && self.d.stream_query(*s).unwrap() {
+                    *in_use = true;
+                    return i;
+                }
             }
+            let s = self.d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
+            list.push((s, true));
+            list.len() - 1
         }
-        let s = self.d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
-        list.push((s, true));
-        list.len() - 1
     }
 
     fn release(&self, i: usize) {
@@ -54,8 +57,11 @@ impl GlobalLockPool {
 
 impl Drop for GlobalLockPool {
     fn drop(&mut self) {
-        for (s, _) in self.streams.get_mut().unwrap().drain(..) {
-            let _ = self.d.stream_destroy(s);
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            for (s, _) in self.streams.get_mut().unwrap().drain(..) {
+                let _ = self.d.stream_destroy(s);
+            }
         }
     }
 }
@@ -86,91 +92,94 @@ fn on_threads(threads: usize, iters: u64, op: impl Fn() + Sync) -> Duration {
 }
 
 fn benches(c: &mut Criterion) {
-    let d = common::driver();
-    let ctx = Context::primary(d.clone(), 0).unwrap();
-    ctx.bind().unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let d = common::driver();
+        let ctx = Context::primary(d.clone(), 0).unwrap();
+        ctx.bind().unwrap();
 
-    let mut g = c.benchmark_group("uncontended");
-    g.bench_function("pool", |b| b.iter(|| pool_op(&ctx)));
-    g.bench_function("create_destroy", |b| {
-        b.iter(|| {
-            let s = d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
-            d.stream_destroy(black_box(s)).unwrap();
-        })
-    });
-    let global = GlobalLockPool::new(d.clone());
-    g.bench_function("global_lock", |b| {
-        b.iter(|| {
-            let i = global.acquire();
-            global.release(black_box(i));
-        })
-    });
-    g.finish();
-
-    let mut g = c.benchmark_group("threads");
-    for n in [1usize, 4, 16] {
-        // The driver's floor: each thread queries its own idle stream in relaxed capture mode,
-        // which is the one driver call the pool makes per hand-over.
-        let own: Vec<Stream> = (0..n)
-            .map(|_| d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap())
-            .collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        g.bench_with_input(BenchmarkId::new("query_only", n), &n, |b, &n| {
-            b.iter_custom(|iters| {
-                next.store(0, std::sync::atomic::Ordering::Relaxed);
-                on_threads(n, 1, || {
-                    let s = own[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n];
-                    let _relaxed = CaptureModeGuard::new(&*d, CaptureMode::Relaxed).unwrap();
-                    for _ in 0..iters {
-                        black_box(d.stream_query(s).unwrap());
-                    }
-                })
+        let mut g = c.benchmark_group("uncontended");
+        g.bench_function("pool", |b| b.iter(|| pool_op(&ctx)));
+        g.bench_function("create_destroy", |b| {
+            b.iter(|| {
+                let s = d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
+                d.stream_destroy(black_box(s)).unwrap();
             })
         });
-        for s in own {
-            d.stream_destroy(s).unwrap();
-        }
-        g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
-            b.iter_custom(|iters| on_threads(n, iters, || pool_op(&ctx)))
-        });
-        g.bench_with_input(BenchmarkId::new("global_lock", n), &n, |b, &n| {
-            b.iter_custom(|iters| {
-                on_threads(n, iters, || {
-                    ctx.bind().unwrap();
-                    let i = global.acquire();
-                    global.release(i);
-                })
-            })
-        });
-    }
-    g.finish();
-
-    let mut g = c.benchmark_group("live_owners");
-    for live in [1usize, 100, 1_000, 10_000] {
-        let holders: Vec<Owner> = (0..live)
-            .map(|_| {
-                let o = ctx.owner();
-                o.stream().unwrap();
-                o
-            })
-            .collect();
-        g.bench_with_input(BenchmarkId::new("pool", live), &live, |b, _| {
-            b.iter(|| pool_op(&ctx))
-        });
-        drop(holders);
-        ctx.trim().unwrap();
         let global = GlobalLockPool::new(d.clone());
-        let held: Vec<usize> = (0..live).map(|_| global.acquire()).collect();
-        g.bench_with_input(BenchmarkId::new("global_lock", live), &live, |b, _| {
+        g.bench_function("global_lock", |b| {
             b.iter(|| {
                 let i = global.acquire();
                 global.release(black_box(i));
             })
         });
-        drop(held);
-        drop(global);
+        g.finish();
+
+        let mut g = c.benchmark_group("threads");
+        for n in [1usize, 4, 16] {
+            // The driver's floor: each thread queries its own idle stream in relaxed capture mode,
+            // which is the one driver call the pool makes per hand-over.
+            let own: Vec<Stream> = (0..n)
+                .map(|_| d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap())
+                .collect();
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            g.bench_with_input(BenchmarkId::new("query_only", n), &n, |b, &n| {
+                b.iter_custom(|iters| {
+                    next.store(0, std::sync::atomic::Ordering::Relaxed);
+                    on_threads(n, 1, || {
+                        let s = own[next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n];
+                        let _relaxed = CaptureModeGuard::new(&*d, CaptureMode::Relaxed).unwrap();
+                        for _ in 0..iters {
+                            black_box(d.stream_query(s).unwrap());
+                        }
+                    })
+                })
+            });
+            for s in own {
+                d.stream_destroy(s).unwrap();
+            }
+            g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
+                b.iter_custom(|iters| on_threads(n, iters, || pool_op(&ctx)))
+            });
+            g.bench_with_input(BenchmarkId::new("global_lock", n), &n, |b, &n| {
+                b.iter_custom(|iters| {
+                    on_threads(n, iters, || {
+                        ctx.bind().unwrap();
+                        let i = global.acquire();
+                        global.release(i);
+                    })
+                })
+            });
+        }
+        g.finish();
+
+        let mut g = c.benchmark_group("live_owners");
+        for live in [1usize, 100, 1_000, 10_000] {
+            let holders: Vec<Owner> = (0..live)
+                .map(|_| {
+                    let o = ctx.owner();
+                    o.stream().unwrap();
+                    o
+                })
+                .collect();
+            g.bench_with_input(BenchmarkId::new("pool", live), &live, |b, _| {
+                b.iter(|| pool_op(&ctx))
+            });
+            drop(holders);
+            ctx.trim().unwrap();
+            let global = GlobalLockPool::new(d.clone());
+            let held: Vec<usize> = (0..live).map(|_| global.acquire()).collect();
+            g.bench_with_input(BenchmarkId::new("global_lock", live), &live, |b, _| {
+                b.iter(|| {
+                    let i = global.acquire();
+                    global.release(black_box(i));
+                })
+            });
+            drop(held);
+            drop(global);
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 criterion_group! {

@@ -4,12 +4,13 @@
 //!   cargo run --release --features cudarc --example cudarc_interop     # needs a GPU
 //!
 //! Ownership rules shown here:
-//! * the context belongs to cudarc (`CudaContext`); `Context::adopt` never releases it, so the
-//!   `CudaContext` must outlive everything of this crate made from it;
+//! * the context belongs to cudarc (`CudaContext`); `Context::adopt` never releases it, and keeps
+//!   the `Arc<CudaContext>` it is given alive until everything of this crate made from it is gone;
 //! * a pooled stream belongs to its owner: the cudarc wrapper from `wrap_borrowed_stream` (which
 //!   never destroys the stream) and every cudarc slice used on it must be dropped before the owner;
 //! * cudarc orders its own slices across its streams with events; between the crates, order with
-//!   `StreamRef::wait_for` (or `DeviceBuffer::use_on` for this crate's buffers).
+//!   `StreamRef::wait_for` (or `DeviceBuffer::use_on` for this crate's buffers: launch on the
+//!   `BufferUse::ptr` while the guard it returns lives).
 
 use cuda_stream_pool::driver::{self, Choice};
 use cuda_stream_pool::{Context, DeviceBuffer};
@@ -18,7 +19,10 @@ use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
     let cu = CudaContext::new(0)?;
     let (drv, _) = driver::load(Choice::Cuda)?;
-    let ctx = Context::adopt(drv, driver::Context(cu.cu_ctx() as usize as u64))?;
+    let raw = driver::Context(cu.cu_ctx() as usize as u64);
+    // SAFETY: `raw` is cudarc's live context, and the `Arc<CudaContext>` passed as `keep_alive`
+    // keeps it alive until this state and everything made from it are gone.
+    let ctx = unsafe { Context::adopt(drv, raw, Some(Box::new(cu.clone()))) }?;
     let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
     let module = cu.load_module(cudarc::nvrtc::Ptx::from_src(src))?;
     let (add_one, sum) = (
@@ -57,16 +61,20 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
             // This crate's buffer on owner b's stream, ordered after a's work on the GPU.
             let out = DeviceBuffer::<f32>::zeroed(&sb, 1)?;
             sb.wait_for(&sa)?;
-            let out_ptr = out.as_raw().0;
-            // SAFETY: csp_sum_f32(const float *x, float *out, unsigned n); `out` is this crate's
-            // allocation of one float, ordered on sb (allocated there).
-            unsafe {
-                cb.launch_builder(&sum)
-                    .arg(&x)
-                    .arg(&out_ptr)
-                    .arg(&n32)
-                    .launch(cfg)?
-            };
+            {
+                // The launch on sb uses `out`: it is enqueued while the buffer's use guard lives.
+                let use_out = out.use_on(&sb)?;
+                let out_ptr = use_out.ptr().0;
+                // SAFETY: csp_sum_f32(const float *x, float *out, unsigned n); `out` is this
+                // crate's allocation of one float, in use on sb (`use_out`) for this launch.
+                unsafe {
+                    cb.launch_builder(&sum)
+                        .arg(&x)
+                        .arg(&out_ptr)
+                        .arg(&n32)
+                        .launch(cfg)?
+                };
+            }
             assert_eq!(out.to_vec(&sb)?[0], n as f32);
             // cudarc's slice is freed on its stream (a's), which a still owns.
             drop(x);

@@ -112,8 +112,6 @@ pub enum Error {
     InvalidArgument(String),
     /// The operation is not allowed while the stream is being captured into a graph.
     CaptureInProgress(String),
-    /// A stream handle was used after its owner gave it back to the pool.
-    StaleStream,
 }
 
 impl Error {
@@ -147,11 +145,6 @@ impl fmt::Display for Error {
             Error::MissingSymbol(e) => e.fmt(f),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::CaptureInProgress(m) => write!(f, "not allowed during stream capture: {m}"),
-            Error::StaleStream => write!(
-                f,
-                "stream used after its owner returned it to the pool (create an OwnedStream for \
-                 work that outlives the owner)"
-            ),
         }
     }
 }

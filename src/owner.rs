@@ -129,6 +129,33 @@ impl Owner {
         Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None))
     }
 
+    /// The stream of a shared owner, as a reference that keeps the owner alive (like
+    /// [`Context::stream`] for the thread's implicit owner): for holding a stream, or a
+    /// [`crate::CaptureGuard`] of it, in the same structure as the owner.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, CaptureGuard};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use std::rc::Rc;
+    /// struct Job { guard: CaptureGuard<'static> }   // no borrow to keep beside it
+    /// let owner = Rc::new(ctx.owner());
+    /// let job = Job { guard: owner.stream_shared().unwrap().begin_capture().unwrap() };
+    /// drop(owner);                                   // the guard keeps it alive
+    /// job.guard.end().unwrap();
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Owner::stream`].
+    pub fn stream_shared(self: &Rc<Self>) -> Result<StreamRef<'static>> {
+        let (slot, gen) = {
+            let s = self.stream()?;
+            (s.slot.clone(), s.gen)
+        };
+        let keep: Rc<dyn std::any::Any> = self.clone();
+        Ok(StreamRef::new(&self.ctx, &slot, gen, Some(keep)))
+    }
+
     fn held_or_acquire<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
         if let Some(i) = inner.held.iter().position(|h| h.pool.priority == p) {
             return Ok(&inner.held[i]);
@@ -338,18 +365,7 @@ impl Context {
     /// # Errors
     /// As [`Owner::stream`]; [`Error::InvalidArgument`] while the thread is exiting.
     pub fn stream(&self) -> Result<StreamRef<'static>> {
-        let owner = thread_owner(self)?;
-        let (slot, gen) = {
-            let s = owner.stream()?;
-            (s.slot.clone(), s.gen)
-        };
-        // The reference's holder is the owner it keeps alive, not a borrow: hence `'static`.
-        Ok(StreamRef::new(
-            self,
-            &slot,
-            gen,
-            Some(owner as Rc<dyn std::any::Any>),
-        ))
+        thread_owner(self)?.stream_shared()
     }
 
     /// Selects the priority of the calling thread's implicit owner (see [`Owner::set_priority`]).

@@ -38,8 +38,12 @@ fn fmt_calls(calls: &[Call]) -> String {
             format!(
                 "{}{}{}{}{}",
                 c.name,
-                c.stream.map(|s| format!(" s={:#x}", s.0)).unwrap_or_default(),
-                c.event.map(|e| format!(" e={:#x}", e.0)).unwrap_or_default(),
+                c.stream
+                    .map(|s| format!(" s={:#x}", s.0))
+                    .unwrap_or_default(),
+                c.event
+                    .map(|e| format!(" e={:#x}", e.0))
+                    .unwrap_or_default(),
                 c.ptr.map(|p| format!(" p={:#x}", p.0)).unwrap_or_default(),
                 if c.ok { "" } else { " FAILED" }
             )
@@ -122,7 +126,10 @@ fn attack_01b_with_priority_restore_waits_into_capture() {
     });
     let calls = sim.calls();
     let (bad, end) = match r {
-        Ok((g, since)) => (waits_into_capture(&calls, s_normal.raw(), since.max(begin)), Some(g.end().map(|_| ()))),
+        Ok((g, since)) => (
+            waits_into_capture(&calls, s_normal.raw(), since.max(begin)),
+            Some(g.end().map(|_| ())),
+        ),
         Err(_) => (Vec::new(), None), // refused: the guard was dropped inside, the capture ended
     };
     assert!(
@@ -150,7 +157,14 @@ fn attack_02_sum_lock_order_deadlock() {
     s0.synchronize().unwrap(); // both last used on s0, whose generation stays live (o0 lives)
     let (done_tx, done_rx) = mpsc::channel::<&'static str>();
     let a = {
-        let (ctx, k, x, y, pd, tx) = (ctx.clone(), k.clone(), x.clone(), y.clone(), pd.clone(), done_tx.clone());
+        let (ctx, k, x, y, pd, tx) = (
+            ctx.clone(),
+            k.clone(),
+            x.clone(),
+            y.clone(),
+            pd.clone(),
+            done_tx.clone(),
+        );
         std::thread::spawn(move || {
             let oa = ctx.owner();
             let sa = oa.stream().unwrap();
@@ -160,9 +174,18 @@ fn attack_02_sum_lock_order_deadlock() {
             r.map_err(|e| e.to_string())
         })
     };
-    assert!(pd.wait_paused(TIMEOUT), "thread A did not reach cuEventRecord");
+    assert!(
+        pd.wait_paused(TIMEOUT),
+        "thread A did not reach cuEventRecord"
+    );
     let b = {
-        let (ctx, k, x, y, tx) = (ctx.clone(), k.clone(), x.clone(), y.clone(), done_tx.clone());
+        let (ctx, k, x, y, tx) = (
+            ctx.clone(),
+            k.clone(),
+            x.clone(),
+            y.clone(),
+            done_tx.clone(),
+        );
         std::thread::spawn(move || {
             let ob = ctx.owner();
             let sb = ob.stream().unwrap();
@@ -258,8 +281,8 @@ fn attack_04_begin_capture_drops_stale_captured_buffer_under_slot_lock() {
         s.synchronize().unwrap();
         let g = s.begin_capture().unwrap();
         buf.fill(&s, 1).unwrap(); // registers buf with the capture
-        // A safe driver call that this thread may not make during its own capture: the capture
-        // is invalidated (as on the GPU). Any invalidation will do.
+                                  // A safe driver call that this thread may not make during its own capture: the capture
+                                  // is invalidated (as on the GPU). Any invalidation will do.
         assert!(ctx.driver().ctx_synchronize().is_err());
         sim.fail_calls("cuStreamGetCaptureInfo_v3", ErrorCode::ERROR_UNKNOWN, 2);
         let end = g.end();
@@ -290,7 +313,13 @@ fn attack_04_begin_capture_drops_stale_captured_buffer_under_slot_lock() {
 /// the other way round makes `Context::owner()` panic too.
 #[test]
 fn attack_05_priority_range_resolve_panics() {
-    let r = PriorityRange { least: -5, greatest: 0 };
+    let r = PriorityRange {
+        least: -5,
+        greatest: 0,
+    };
     let out = std::panic::catch_unwind(|| r.resolve(Priority::Normal));
-    assert!(out.is_ok(), "PriorityRange::resolve(Normal) panicked on a reversed range");
+    assert!(
+        out.is_ok(),
+        "PriorityRange::resolve(Normal) panicked on a reversed range"
+    );
 }

@@ -74,18 +74,21 @@ fn panic_in_capture_ends_it(d: &Arc<dyn Driver>) {
 /// An operation forbidden during capture invalidates it: `end` reports the error and the stream
 /// is left not capturing.
 fn invalidated_capture_reports_at_end(d: &Arc<dyn Driver>) {
-    let ctx = common::ctx(d);
-    let o = ctx.owner();
-    let s = o.stream().unwrap();
-    let g = s.begin_capture_with(CaptureMode::Global).unwrap();
-    assert_eq!(
-        d.stream_query(s.raw()).err().and_then(|e| e.code()),
-        Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED)
-    );
-    let e = g.end().unwrap_err();
-    assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
-    assert!(!s.is_capturing().unwrap());
-    s.synchronize().unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let ctx = common::ctx(d);
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let g = s.begin_capture_with(CaptureMode::Global).unwrap();
+        assert_eq!(
+            d.stream_query(s.raw()).err().and_then(|e| e.code()),
+            Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        );
+        let e = g.end().unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
+        assert!(!s.is_capturing().unwrap());
+        s.synchronize().unwrap();
+    }
 }
 
 /// The mode guard restores the thread's previous mode, also when nested.
@@ -183,28 +186,36 @@ fn capture_survives_pool_churn(d: &Arc<dyn Driver>) {
     assert_eq!(buf.to_vec(&s).unwrap(), vec![10; 256]);
 }
 
-/// A buffer allocated and dropped inside a capture belongs to the graph: its allocation and free
-/// are nodes, and every launch allocates, computes and frees.
-fn buffer_allocated_in_capture_belongs_to_graph(d: &Arc<dyn Driver>) {
+/// Allocating on a capturing stream is refused with a clear error (allocate before
+/// `begin_capture`), and the capture goes on intact. A buffer allocated before the capture and
+/// dropped inside it belongs to the graph: the graph keeps it alive, and every launch computes.
+fn allocation_in_capture_is_refused(d: &Arc<dyn Driver>) {
     let ctx = common::ctx(d);
     let k = Kernels::load(&ctx).unwrap();
     let o = ctx.owner();
     let s = o.stream().unwrap();
     let out = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    let mut tmp = DeviceBuffer::<u32>::alloc(&s, 64).unwrap();
     s.synchronize().unwrap();
     let g = s.begin_capture().unwrap();
-    {
-        let mut tmp = DeviceBuffer::<u32>::alloc(&s, 64).unwrap();
-        tmp.fill(&s, 5).unwrap();
-        k.add_u32(&s, &tmp, 1).unwrap();
-        k.add_u32(&s, &out, 1).unwrap();
-    } // tmp's free is a node of the graph
-    let graph = g.end().unwrap();
-    assert_eq!(
-        graph.node_count().unwrap(),
-        5,
-        "alloc, memset, 2 kernels, free"
+    assert!(matches!(
+        DeviceBuffer::<u32>::alloc(&s, 64),
+        Err(Error::CaptureInProgress(_))
+    ));
+    assert!(matches!(
+        DeviceBuffer::<u32>::zeroed(&s, 64),
+        Err(Error::CaptureInProgress(_))
+    ));
+    assert!(
+        s.is_capturing().unwrap(),
+        "the refused allocation ended the capture"
     );
+    tmp.fill(&s, 5).unwrap();
+    k.add_u32(&s, &tmp, 1).unwrap();
+    k.add_u32(&s, &out, 1).unwrap();
+    drop(tmp); // its free waits for the graph, which uses it
+    let graph = g.end().unwrap();
+    assert_eq!(graph.node_count().unwrap(), 3, "memset, 2 kernels");
     let exec = graph.instantiate().unwrap();
     for _ in 0..3 {
         exec.launch(&s).unwrap();
@@ -213,7 +224,7 @@ fn buffer_allocated_in_capture_belongs_to_graph(d: &Arc<dyn Driver>) {
 }
 
 on_both_drivers! {
-    buffer_allocated_in_capture_belongs_to_graph,
+    allocation_in_capture_is_refused,
     nested_begin_keeps_outer_capture,
     dropped_guard_leaves_stream_usable,
     panic_in_capture_ends_it,
@@ -243,12 +254,13 @@ fn failed_instantiate_leaks_nothing() {
     assert_eq!((c.live_graphs, c.live_graph_execs), (0, 0));
 }
 
-/// Simulation only: graph-owned memory is allocated and freed by each launch; nothing leaks.
+/// Simulation only: a buffer dropped inside a capture is freed once its graph is gone; nothing
+/// leaks.
 #[test]
 fn graph_memory_does_not_leak() {
     let sim = Arc::new(SimDriver::new());
     let d: Arc<dyn Driver> = sim.clone();
-    buffer_allocated_in_capture_belongs_to_graph(&d);
+    allocation_in_capture_is_refused(&d);
     let c = sim.counters();
     assert_eq!(c.live_allocs, 0, "{c:?}");
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());

@@ -24,9 +24,13 @@ fn code<T: std::fmt::Debug>(r: cuda_stream_pool::Result<T>) -> u32 {
 
 fn read_u32(d: &dyn Driver, p: DevicePtr, n: usize, s: Stream) -> Vec<u32> {
     let mut v = vec![0u32; n];
-    // SAFETY: `v` lives until the synchronize below has completed the copy.
-    unsafe { d.memcpy_dtoh_async(v.as_mut_ptr() as *mut u8, p, n * 4, s) }.unwrap();
-    d.stream_synchronize(s).unwrap();
+    // SAFETY: the caller's `p` (n u32s) and `s` are live; `v` lives until the synchronize below
+    // has completed the copy.
+    unsafe {
+        d.memcpy_dtoh_async(v.as_mut_ptr() as *mut u8, p, n * 4, s)
+            .unwrap();
+        d.stream_synchronize(s).unwrap();
+    }
     v
 }
 
@@ -49,76 +53,88 @@ fn add_u32(
 }
 
 fn load_add_u32(d: &dyn Driver) -> cuda_stream_pool::driver::Function {
-    let m = d
-        .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
-        .unwrap();
-    d.module_get_function(m, c"csp_add_u32").unwrap()
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let m = d
+            .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
+            .unwrap();
+        d.module_get_function(m, c"csp_add_u32").unwrap()
+    }
 }
 
 /// cuStreamQuery: idle stream ready; a stream held by a host function not ready until released.
 fn query_idle_and_busy(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    assert!(d.stream_query(s).unwrap());
-    let mut g = Gate::on(&**d, s);
-    assert!(!d.stream_query(s).unwrap());
-    g.open();
-    d.stream_synchronize(s).unwrap();
-    assert!(d.stream_query(s).unwrap());
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        assert!(d.stream_query(s).unwrap());
+        let mut g = Gate::on(&**d, s);
+        assert!(!d.stream_query(s).unwrap());
+        g.open();
+        d.stream_synchronize(s).unwrap();
+        assert!(d.stream_query(s).unwrap());
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// An event recorded on a busy stream orders another stream's work after it.
 fn event_orders_across_streams(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let (a, b) = (e.stream(), e.stream());
-    let ev = d.event_create(0).unwrap();
-    let p = d.mem_alloc_async(64, a).unwrap();
-    d.memset_d32_async(p, 1, 16, a).unwrap();
-    let mut g = Gate::on(&**d, a);
-    d.memset_d32_async(p, 2, 16, a).unwrap();
-    d.event_record(ev, a).unwrap();
-    d.stream_wait_event(b, ev).unwrap();
-    d.memset_d32_async(p, 3, 16, b).unwrap();
-    assert!(!d.event_query(ev).unwrap());
-    assert!(!d.stream_query(b).unwrap(), "b must wait for a's event");
-    g.open();
-    d.stream_synchronize(b).unwrap();
-    assert!(d.event_query(ev).unwrap());
-    assert_eq!(read_u32(&**d, p, 16, b), vec![3; 16]);
-    d.mem_free_async(p, b).unwrap();
-    d.stream_synchronize(b).unwrap();
-    d.event_destroy(ev).unwrap();
-    d.stream_destroy(a).unwrap();
-    d.stream_destroy(b).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let (a, b) = (e.stream(), e.stream());
+        let ev = d.event_create(0).unwrap();
+        let p = d.mem_alloc_async(64, a).unwrap();
+        d.memset_d32_async(p, 1, 16, a).unwrap();
+        let mut g = Gate::on(&**d, a);
+        d.memset_d32_async(p, 2, 16, a).unwrap();
+        d.event_record(ev, a).unwrap();
+        d.stream_wait_event(b, ev).unwrap();
+        d.memset_d32_async(p, 3, 16, b).unwrap();
+        assert!(!d.event_query(ev).unwrap());
+        assert!(!d.stream_query(b).unwrap(), "b must wait for a's event");
+        g.open();
+        d.stream_synchronize(b).unwrap();
+        assert!(d.event_query(ev).unwrap());
+        assert_eq!(read_u32(&**d, p, 16, b), vec![3; 16]);
+        d.mem_free_async(p, b).unwrap();
+        d.stream_synchronize(b).unwrap();
+        d.event_destroy(ev).unwrap();
+        d.stream_destroy(a).unwrap();
+        d.stream_destroy(b).unwrap();
+    }
 }
 
 /// A wait targets the record that was latest when the wait was enqueued: recording the event
 /// again elsewhere (the crate reuses ordering events) does not release it.
 fn event_rerecord_keeps_earlier_wait(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let (a, b, c) = (e.stream(), e.stream(), e.stream());
-    let ev = d
-        .event_create(cuda_stream_pool::driver::event_flags::DISABLE_TIMING)
-        .unwrap();
-    let mut g = Gate::on(&**d, a);
-    d.event_record(ev, a).unwrap();
-    d.stream_wait_event(b, ev).unwrap();
-    d.event_record(ev, c).unwrap();
-    d.stream_synchronize(c).unwrap();
-    assert!(
-        d.event_query(ev).unwrap(),
-        "the latest record (on c) has completed"
-    );
-    assert!(
-        !d.stream_query(b).unwrap(),
-        "b still waits for the record on a"
-    );
-    g.open();
-    d.stream_synchronize(b).unwrap();
-    d.event_destroy(ev).unwrap();
-    for s in [a, b, c] {
-        d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let (a, b, c) = (e.stream(), e.stream(), e.stream());
+        let ev = d
+            .event_create(cuda_stream_pool::driver::event_flags::DISABLE_TIMING)
+            .unwrap();
+        let mut g = Gate::on(&**d, a);
+        d.event_record(ev, a).unwrap();
+        d.stream_wait_event(b, ev).unwrap();
+        d.event_record(ev, c).unwrap();
+        d.stream_synchronize(c).unwrap();
+        assert!(
+            d.event_query(ev).unwrap(),
+            "the latest record (on c) has completed"
+        );
+        assert!(
+            !d.stream_query(b).unwrap(),
+            "b still waits for the record on a"
+        );
+        g.open();
+        d.stream_synchronize(b).unwrap();
+        d.event_destroy(ev).unwrap();
+        for s in [a, b, c] {
+            d.stream_destroy(s).unwrap();
+        }
     }
 }
 
@@ -130,110 +146,131 @@ fn priority_range(d: &Arc<dyn Driver>) {
 
 /// Out-of-range priorities are clamped silently by the driver.
 fn priority_clamped(d: &Arc<dyn Driver>) {
-    let _e = Env::new(d);
-    let hi = d.stream_create(stream_flags::NON_BLOCKING, -100).unwrap();
-    let lo = d.stream_create(stream_flags::NON_BLOCKING, 7).unwrap();
-    let mid = d.stream_create(stream_flags::NON_BLOCKING, -3).unwrap();
-    assert_eq!(d.stream_priority(hi).unwrap(), -5);
-    assert_eq!(d.stream_priority(lo).unwrap(), 0);
-    assert_eq!(d.stream_priority(mid).unwrap(), -3);
-    for s in [hi, lo, mid] {
-        d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let _e = Env::new(d);
+        let hi = d.stream_create(stream_flags::NON_BLOCKING, -100).unwrap();
+        let lo = d.stream_create(stream_flags::NON_BLOCKING, 7).unwrap();
+        let mid = d.stream_create(stream_flags::NON_BLOCKING, -3).unwrap();
+        assert_eq!(d.stream_priority(hi).unwrap(), -5);
+        assert_eq!(d.stream_priority(lo).unwrap(), 0);
+        assert_eq!(d.stream_priority(mid).unwrap(), -3);
+        for s in [hi, lo, mid] {
+            d.stream_destroy(s).unwrap();
+        }
     }
 }
 
 /// Stream flags round-trip.
 fn stream_flags_round_trip(d: &Arc<dyn Driver>) {
-    let _e = Env::new(d);
-    let nb = d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
-    let df = d.stream_create(stream_flags::DEFAULT, 0).unwrap();
-    assert_eq!(d.stream_flags(nb).unwrap(), stream_flags::NON_BLOCKING);
-    assert_eq!(d.stream_flags(df).unwrap(), stream_flags::DEFAULT);
-    d.stream_destroy(nb).unwrap();
-    d.stream_destroy(df).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let _e = Env::new(d);
+        let nb = d.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
+        let df = d.stream_create(stream_flags::DEFAULT, 0).unwrap();
+        assert_eq!(d.stream_flags(nb).unwrap(), stream_flags::NON_BLOCKING);
+        assert_eq!(d.stream_flags(df).unwrap(), stream_flags::DEFAULT);
+        d.stream_destroy(nb).unwrap();
+        d.stream_destroy(df).unwrap();
+    }
 }
 
 /// A nested begin on a capturing stream fails with CUDA_ERROR_ILLEGAL_STATE (401); the outer
 /// capture stays active, ends cleanly, and its graph runs the captured work.
 fn nested_begin_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    let f = load_add_u32(&**d);
-    let p = d.mem_alloc_async(16 * 4, s).unwrap();
-    d.memset_d32_async(p, 10, 16, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    assert_eq!(code(d.stream_begin_capture(s, CaptureMode::Global)), 401);
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Active);
-    add_u32(&**d, f, p, 16, 1, s);
-    let g = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
-    assert_eq!(d.graph_node_count(g).unwrap(), 1);
-    let x = d.graph_instantiate(g).unwrap();
-    d.graph_launch(x, s).unwrap();
-    assert_eq!(read_u32(&**d, p, 16, s), vec![11; 16]);
-    d.graph_launch(x, s).unwrap();
-    assert_eq!(read_u32(&**d, p, 16, s), vec![12; 16]);
-    d.graph_exec_destroy(x).unwrap();
-    d.graph_destroy(g).unwrap();
-    d.mem_free_async(p, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let f = load_add_u32(&**d);
+        let p = d.mem_alloc_async(16 * 4, s).unwrap();
+        d.memset_d32_async(p, 10, 16, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+        assert_eq!(code(d.stream_begin_capture(s, CaptureMode::Global)), 401);
+        assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::Active);
+        add_u32(&**d, f, p, 16, 1, s);
+        let g = d.stream_end_capture(s).unwrap();
+        assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+        assert_eq!(d.graph_node_count(g).unwrap(), 1);
+        let x = d.graph_instantiate(g).unwrap();
+        d.graph_launch(x, s).unwrap();
+        assert_eq!(read_u32(&**d, p, 16, s), vec![11; 16]);
+        d.graph_launch(x, s).unwrap();
+        assert_eq!(read_u32(&**d, p, 16, s), vec![12; 16]);
+        d.graph_exec_destroy(x).unwrap();
+        d.graph_destroy(g).unwrap();
+        d.mem_free_async(p, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Ending a capture on a stream that is not capturing is CUDA_ERROR_ILLEGAL_STATE.
 fn end_capture_not_capturing(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    assert_eq!(code(d.stream_end_capture(s)), 401);
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        assert_eq!(code(d.stream_end_capture(s)), 401);
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Querying a capturing stream is forbidden: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900); the
 /// capture is invalidated, ending it reports CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901), and the
 /// stream is left not capturing.
 fn query_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    assert_eq!(code(d.stream_query(s)), 900);
-    assert_eq!(
-        d.stream_is_capturing(s).unwrap(),
-        CaptureStatus::Invalidated
-    );
-    assert_eq!(code(d.stream_end_capture(s)), 901);
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
-    assert!(d.stream_query(s).unwrap());
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+        assert_eq!(code(d.stream_query(s)), 900);
+        assert_eq!(
+            d.stream_is_capturing(s).unwrap(),
+            CaptureStatus::Invalidated
+        );
+        assert_eq!(code(d.stream_end_capture(s)), 901);
+        assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+        assert!(d.stream_query(s).unwrap());
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Synchronizing a capturing stream is forbidden in the same way.
 fn synchronize_capturing_stream_invalidates(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
-    assert_eq!(code(d.stream_synchronize(s)), 900);
-    assert_eq!(code(d.stream_end_capture(s)), 901);
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+        assert_eq!(code(d.stream_synchronize(s)), 900);
+        assert_eq!(code(d.stream_end_capture(s)), 901);
+        assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// While another thread captures in global mode, a query of an unrelated stream from a thread
 /// in relaxed mode is allowed and leaves the capture valid.
 fn relaxed_query_during_global_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let (a, b) = (e.stream(), e.stream());
-    let capture = common::ForeignCapture::new(d, e.ctx, a);
-    let old = d
-        .thread_exchange_capture_mode(CaptureMode::Relaxed)
-        .unwrap();
-    assert!(d.stream_query(b).unwrap());
-    d.thread_exchange_capture_mode(old).unwrap();
-    assert_eq!(d.stream_is_capturing(a).unwrap(), CaptureStatus::Active);
-    let g = capture.end().expect("capture stays valid");
-    d.graph_destroy(g).unwrap();
-    d.stream_destroy(a).unwrap();
-    d.stream_destroy(b).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let (a, b) = (e.stream(), e.stream());
+        let capture = common::ForeignCapture::new(d, e.ctx, a);
+        let old = d
+            .thread_exchange_capture_mode(CaptureMode::Relaxed)
+            .unwrap();
+        assert!(d.stream_query(b).unwrap());
+        d.thread_exchange_capture_mode(old).unwrap();
+        assert_eq!(d.stream_is_capturing(a).unwrap(), CaptureStatus::Active);
+        let g = capture.end().expect("capture stays valid");
+        d.graph_destroy(g).unwrap();
+        d.stream_destroy(a).unwrap();
+        d.stream_destroy(b).unwrap();
+    }
 }
 
 /// cuThreadExchangeStreamCaptureMode returns the previous mode; threads start in global mode.
@@ -264,32 +301,38 @@ fn capture_mode_exchange(d: &Arc<dyn Driver>) {
 /// Stream-ordered allocation, use and free on one stream; a zero-byte allocation succeeds with
 /// the null pointer (measured on the H200), and freeing null is allowed.
 fn async_alloc_free(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    let p = d.mem_alloc_async(1024 * 4, s).unwrap();
-    assert!(!p.is_null());
-    d.memset_d32_async(p, 0xdead_beef, 1024, s).unwrap();
-    let v = read_u32(&**d, p, 1024, s);
-    assert!(v.iter().all(|&x| x == 0xdead_beef));
-    d.mem_free_async(p, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    let z = d.mem_alloc_async(0, s).unwrap();
-    assert!(z.is_null());
-    d.mem_free_async(z, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let p = d.mem_alloc_async(1024 * 4, s).unwrap();
+        assert!(!p.is_null());
+        d.memset_d32_async(p, 0xdead_beef, 1024, s).unwrap();
+        let v = read_u32(&**d, p, 1024, s);
+        assert!(v.iter().all(|&x| x == 0xdead_beef));
+        d.mem_free_async(p, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        let z = d.mem_alloc_async(0, s).unwrap();
+        assert!(z.is_null());
+        d.mem_free_async(z, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// An event never recorded counts as complete; waiting on it waits for nothing.
 fn unrecorded_event(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    let ev = d.event_create(0).unwrap();
-    assert!(d.event_query(ev).unwrap());
-    d.stream_wait_event(s, ev).unwrap();
-    assert!(d.stream_query(s).unwrap());
-    d.event_destroy(ev).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let ev = d.event_create(0).unwrap();
+        assert!(d.event_query(ev).unwrap());
+        d.stream_wait_event(s, ev).unwrap();
+        assert!(d.stream_query(s).unwrap());
+        d.event_destroy(ev).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Creating a stream on a thread with no current context is CUDA_ERROR_INVALID_CONTEXT.
@@ -305,144 +348,168 @@ fn stream_create_without_context(d: &Arc<dyn Driver>) {
 /// Stream-ordered allocation needs no current context on the calling thread: the memory comes
 /// from the pool of the stream's device.
 fn alloc_without_current_context(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    let d2 = d.clone();
-    let p = std::thread::spawn(move || {
-        let p = d2.mem_alloc_async(256, s).unwrap();
-        d2.mem_free_async(p, s).unwrap();
-        p
-    })
-    .join()
-    .unwrap();
-    assert!(!p.is_null());
-    d.stream_synchronize(s).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let d2 = d.clone();
+        let p = std::thread::spawn(move || {
+            let p = d2.mem_alloc_async(256, s).unwrap();
+            d2.mem_free_async(p, s).unwrap();
+            p
+        })
+        .join()
+        .unwrap();
+        assert!(!p.is_null());
+        d.stream_synchronize(s).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// A host function runs after the stream's earlier work, and later work waits for it.
 fn host_func_order(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    let seen = Arc::new(AtomicU32::new(0));
-    let p = d.mem_alloc_async(4, s).unwrap();
-    d.memset_d32_async(p, 5, 1, s).unwrap();
-    let mut g = Gate::on(&**d, s);
-    let s2 = seen.clone();
-    d.launch_host_func(s, Box::new(move || s2.store(1, Ordering::SeqCst)))
-        .unwrap();
-    assert_eq!(seen.load(Ordering::SeqCst), 0);
-    g.open();
-    d.stream_synchronize(s).unwrap();
-    assert_eq!(seen.load(Ordering::SeqCst), 1);
-    d.mem_free_async(p, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let seen = Arc::new(AtomicU32::new(0));
+        let p = d.mem_alloc_async(4, s).unwrap();
+        d.memset_d32_async(p, 5, 1, s).unwrap();
+        let mut g = Gate::on(&**d, s);
+        let s2 = seen.clone();
+        d.launch_host_func(s, Box::new(move || s2.store(1, Ordering::SeqCst)))
+            .unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 0);
+        g.open();
+        d.stream_synchronize(s).unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        d.mem_free_async(p, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Ending a global-mode capture from another thread is CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
 /// (908) and, as measured on the H200, terminates the capture: the stream is left not capturing
 /// and its own thread's end then fails with CUDA_ERROR_ILLEGAL_STATE.
 fn end_capture_wrong_thread(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    let d2 = d.clone();
-    let ctx = e.ctx;
-    let c = std::thread::spawn(move || {
-        d2.ctx_set_current(ctx).unwrap();
-        code(d2.stream_end_capture(s))
-    })
-    .join()
-    .unwrap();
-    assert_eq!(c, 908);
-    assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
-    assert_eq!(code(d.stream_end_capture(s)), 401);
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+        let d2 = d.clone();
+        let ctx = e.ctx;
+        let c = std::thread::spawn(move || {
+            d2.ctx_set_current(ctx).unwrap();
+            code(d2.stream_end_capture(s))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(c, 908);
+        assert_eq!(d.stream_is_capturing(s).unwrap(), CaptureStatus::None);
+        assert_eq!(code(d.stream_end_capture(s)), 401);
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// The embedded PTX loads; an unknown kernel name is CUDA_ERROR_NOT_FOUND; text that is not PTX
 /// is rejected.
 fn module_loading(d: &Arc<dyn Driver>) {
-    let _e = Env::new(d);
-    let m = d
-        .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
-        .unwrap();
-    d.module_get_function(m, c"csp_add_one_f32").unwrap();
-    assert_eq!(code(d.module_get_function(m, c"no_such_kernel")), 500);
-    d.module_unload(m).unwrap();
-    assert!(d.module_load_data(c"this is not ptx").is_err());
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let _e = Env::new(d);
+        let m = d
+            .module_load_data(CStr::from_bytes_with_nul(PTX.as_bytes()).unwrap())
+            .unwrap();
+        d.module_get_function(m, c"csp_add_one_f32").unwrap();
+        assert_eq!(code(d.module_get_function(m, c"no_such_kernel")), 500);
+        d.module_unload(m).unwrap();
+        assert!(d.module_load_data(c"this is not ptx").is_err());
+    }
 }
 
 /// Capture ids are unique and reported only while capturing.
 fn capture_info(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    assert_eq!(d.stream_capture_info(s).unwrap().0, CaptureStatus::None);
-    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
-    let (st, id1) = d.stream_capture_info(s).unwrap();
-    assert_eq!(st, CaptureStatus::Active);
-    d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
-    let (_, id2) = d.stream_capture_info(s).unwrap();
-    assert_ne!(id1, id2);
-    d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        assert_eq!(d.stream_capture_info(s).unwrap().0, CaptureStatus::None);
+        d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+        let (st, id1) = d.stream_capture_info(s).unwrap();
+        assert_eq!(st, CaptureStatus::Active);
+        d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
+        d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+        let (_, id2) = d.stream_capture_info(s).unwrap();
+        assert_ne!(id1, id2);
+        d.graph_destroy(d.stream_end_capture(s).unwrap()).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Stream-ordered allocation inside a capture becomes an allocation node owned by the graph; a
 /// free in the same capture a free node; every launch allocates and frees.
 fn alloc_and_free_inside_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
-    let p = d.mem_alloc_async(1024, s).unwrap();
-    d.memset_d32_async(p, 3, 256, s).unwrap();
-    d.mem_free_async(p, s).unwrap();
-    let g = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.graph_node_count(g).unwrap(), 3);
-    let x = d.graph_instantiate(g).unwrap();
-    d.graph_destroy(g).unwrap();
-    for _ in 0..3 {
-        d.graph_launch(x, s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+        let p = d.mem_alloc_async(1024, s).unwrap();
+        d.memset_d32_async(p, 3, 256, s).unwrap();
+        d.mem_free_async(p, s).unwrap();
+        let g = d.stream_end_capture(s).unwrap();
+        assert_eq!(d.graph_node_count(g).unwrap(), 3);
+        let x = d.graph_instantiate(g).unwrap();
+        d.graph_destroy(g).unwrap();
+        for _ in 0..3 {
+            d.graph_launch(x, s).unwrap();
+        }
+        d.stream_synchronize(s).unwrap();
+        d.graph_exec_destroy(x).unwrap();
+        d.stream_destroy(s).unwrap();
     }
-    d.stream_synchronize(s).unwrap();
-    d.graph_exec_destroy(x).unwrap();
-    d.stream_destroy(s).unwrap();
 }
 
 /// A capture of nothing gives a graph with no nodes that instantiates and launches.
 fn empty_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
-    let g = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.graph_node_count(g).unwrap(), 0);
-    let x = d.graph_instantiate(g).unwrap();
-    d.graph_launch(x, s).unwrap();
-    d.stream_synchronize(s).unwrap();
-    d.graph_exec_destroy(x).unwrap();
-    d.graph_destroy(g).unwrap();
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+        let g = d.stream_end_capture(s).unwrap();
+        assert_eq!(d.graph_node_count(g).unwrap(), 0);
+        let x = d.graph_instantiate(g).unwrap();
+        d.graph_launch(x, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.graph_exec_destroy(x).unwrap();
+        d.graph_destroy(g).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// The default memory pool's release threshold can be set and read back.
 fn mem_pool_release_threshold(d: &Arc<dyn Driver>) {
-    use cuda_stream_pool::driver::MemPoolAttr;
-    let e = Env::new(d);
-    let pool = d.device_default_mem_pool(e.dev).unwrap();
-    let old = d
-        .mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
-        .unwrap();
-    d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, 1 << 30)
-        .unwrap();
-    assert_eq!(
-        d.mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
-            .unwrap(),
-        1 << 30
-    );
-    d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, old)
-        .unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        use cuda_stream_pool::driver::MemPoolAttr;
+        let e = Env::new(d);
+        let pool = d.device_default_mem_pool(e.dev).unwrap();
+        let old = d
+            .mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
+            .unwrap();
+        d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, 1 << 30)
+            .unwrap();
+        assert_eq!(
+            d.mem_pool_get_attribute(pool, MemPoolAttr::ReleaseThreshold)
+                .unwrap(),
+            1 << 30
+        );
+        d.mem_pool_set_attribute(pool, MemPoolAttr::ReleaseThreshold, old)
+            .unwrap();
+    }
 }
 
 on_both_drivers! {

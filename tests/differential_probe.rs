@@ -20,31 +20,37 @@ fn code<T: std::fmt::Debug>(r: cuda_stream_pool::Result<T>) -> u32 {
 /// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates that capture. This is why the pool
 /// queries in relaxed mode.
 fn global_query_during_global_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let (a, b) = (e.stream(), e.stream());
-    let capture = common::ForeignCapture::new(d, e.ctx, a);
-    let q = d.stream_query(b);
-    let status = d.stream_is_capturing(a).unwrap();
-    let ended = capture.end().map(|g| d.graph_destroy(g));
-    eprintln!("global query during global capture: {q:?}, status {status:?}, end {ended:?}");
-    assert_eq!(code(q), 900);
-    assert_eq!(status, CaptureStatus::Invalidated);
-    assert_eq!(code(ended), 901);
-    d.stream_destroy(a).unwrap();
-    d.stream_destroy(b).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let (a, b) = (e.stream(), e.stream());
+        let capture = common::ForeignCapture::new(d, e.ctx, a);
+        let q = d.stream_query(b);
+        let status = d.stream_is_capturing(a).unwrap();
+        let ended = capture.end().map(|g| d.graph_destroy(g));
+        eprintln!("global query during global capture: {q:?}, status {status:?}, end {ended:?}");
+        assert_eq!(code(q), 900);
+        assert_eq!(status, CaptureStatus::Invalidated);
+        assert_eq!(code(ended), 901);
+        d.stream_destroy(a).unwrap();
+        d.stream_destroy(b).unwrap();
+    }
 }
 
 /// Synchronizing the context while this thread captures is forbidden and invalidates the
 /// capture.
 fn ctx_synchronize_during_capture(d: &Arc<dyn Driver>) {
-    let e = Env::new(d);
-    let s = e.stream();
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
-    let r = d.ctx_synchronize();
-    eprintln!("cuCtxSynchronize during capture: {r:?}");
-    assert_eq!(code(r), 900);
-    assert_eq!(code(d.stream_end_capture(s)), 901);
-    d.stream_destroy(s).unwrap();
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+        let r = d.ctx_synchronize();
+        eprintln!("cuCtxSynchronize during capture: {r:?}");
+        assert_eq!(code(r), 900);
+        assert_eq!(code(d.stream_end_capture(s)), 901);
+        d.stream_destroy(s).unwrap();
+    }
 }
 
 /// Operations on a destroyed event: the simulation reports them as errors and misuse. The real
@@ -53,13 +59,16 @@ fn ctx_synchronize_during_capture(d: &Arc<dyn Driver>) {
 /// and this scenario runs on the simulation only.
 #[test]
 fn destroyed_event() {
-    let d = common::sim();
-    let _e = Env::new(&d);
-    let ev = d.event_create(0).unwrap();
-    d.event_destroy(ev).unwrap();
-    let r = d.event_query(ev);
-    eprintln!("cuEventQuery on a destroyed event: {r:?}");
-    assert!(r.is_err());
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let d = common::sim();
+        let _e = Env::new(&d);
+        let ev = d.event_create(0).unwrap();
+        d.event_destroy(ev).unwrap();
+        let r = d.event_query(ev);
+        eprintln!("cuEventQuery on a destroyed event: {r:?}");
+        assert!(r.is_err());
+    }
 }
 
 on_both_drivers! {

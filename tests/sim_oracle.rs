@@ -279,7 +279,7 @@ fn uninitialised_read_is_reported() {
         let s = stream(&sim);
         let p = sim.mem_alloc_async(64, s).unwrap();
         let mut host = [0u8; 64];
-        unsafe { sim.memcpy_dtoh_async(host.as_mut_ptr(), p, 64, s) }.unwrap();
+        sim.memcpy_dtoh_async(host.as_mut_ptr(), p, 64, s).unwrap();
         sim.stream_synchronize(s).unwrap();
         assert!(
             has(&sim.findings(), "uninitialised read:"),
@@ -292,8 +292,8 @@ fn uninitialised_read_is_reported() {
         let s = stream(&sim);
         let p = sim.mem_alloc_async(64, s).unwrap();
         let src = [1u8; 32];
-        unsafe { sim.memcpy_htod_async(p, src.as_ptr(), 32, s) }.unwrap();
-        unsafe { sim.memcpy_dtoh_async(host.as_mut_ptr(), p, 32, s) }.unwrap();
+        sim.memcpy_htod_async(p, src.as_ptr(), 32, s).unwrap();
+        sim.memcpy_dtoh_async(host.as_mut_ptr(), p, 32, s).unwrap();
         sim.stream_synchronize(s).unwrap();
         assert!(sim.findings().is_empty(), "{:?}", sim.findings());
         assert_eq!(&host[..32], &src);
@@ -325,7 +325,8 @@ fn kernel_accesses_are_tracked() {
             &mut px as *mut u64 as *mut c_void,
             &mut n as *mut u32 as *mut c_void,
         ];
-        unsafe { sim.launch_kernel(add_one, [1; 3], [16, 1, 1], 0, b, &mut params) }.unwrap();
+        sim.launch_kernel(add_one, [1; 3], [16, 1, 1], 0, b, &mut params)
+            .unwrap();
         let f = sim.findings();
         assert!(
             has(&f, "race:") && f[0].contains("kernel csp_add_one_f32"),
@@ -336,7 +337,8 @@ fn kernel_accesses_are_tracked() {
             &mut pout as *mut u64 as *mut c_void,
             &mut n as *mut u32 as *mut c_void,
         ];
-        unsafe { sim.launch_kernel(sum, [1; 3], [16, 1, 1], 0, a, &mut params) }.unwrap();
+        sim.launch_kernel(sum, [1; 3], [16, 1, 1], 0, a, &mut params)
+            .unwrap();
         assert!(
             has(&sim.findings(), "uninitialised read:"),
             "{:?}",
@@ -436,7 +438,8 @@ fn fork_join_pulls_stream_into_capture() {
         let x = sim.graph_instantiate(g).unwrap();
         sim.graph_launch(x, origin).unwrap();
         let mut host = [0u32; 16];
-        unsafe { sim.memcpy_dtoh_async(host.as_mut_ptr().cast(), p, 64, origin) }.unwrap();
+        sim.memcpy_dtoh_async(host.as_mut_ptr().cast(), p, 64, origin)
+            .unwrap();
         sim.stream_synchronize(origin).unwrap();
         assert_eq!(host, [3; 16]);
         assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());

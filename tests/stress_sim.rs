@@ -42,7 +42,7 @@ fn sixteen_threads_keep_the_invariants() {
                         b.fill(&s, i).unwrap();
                         o.with_priority(Priority::High, || {
                             let hi = o.stream().unwrap();
-                            b.use_on(&hi).unwrap();
+                            drop(b.use_on(&hi).unwrap());
                         })
                         .unwrap();
                         if let Some(mut c) = carried.pop() {

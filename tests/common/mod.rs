@@ -33,14 +33,17 @@ pub struct Env {
 
 impl Env {
     pub fn new(d: &Arc<dyn Driver>) -> Env {
-        d.init().unwrap();
-        let dev = d.device_get(0).unwrap();
-        let ctx = d.primary_ctx_retain(dev).unwrap();
-        d.ctx_set_current(ctx).unwrap();
-        Env {
-            d: d.clone(),
-            dev,
-            ctx,
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            d.init().unwrap();
+            let dev = d.device_get(0).unwrap();
+            let ctx = d.primary_ctx_retain(dev).unwrap();
+            d.ctx_set_current(ctx).unwrap();
+            Env {
+                d: d.clone(),
+                dev,
+                ctx,
+            }
         }
     }
 
@@ -53,7 +56,10 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let _ = self.d.primary_ctx_release(self.dev);
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            let _ = self.d.primary_ctx_release(self.dev);
+        }
     }
 }
 
@@ -66,19 +72,22 @@ pub struct ForeignCapture {
 
 impl ForeignCapture {
     pub fn new(d: &Arc<dyn Driver>, ctx: driver::Context, s: Stream) -> ForeignCapture {
-        let (began, wait_begin) = mpsc::channel();
-        let (go, wait_go) = mpsc::channel::<()>();
-        let d = d.clone();
-        let thread = std::thread::spawn(move || {
-            d.ctx_set_current(ctx).unwrap();
-            d.stream_begin_capture(s, driver::CaptureMode::Global)
-                .unwrap();
-            began.send(()).unwrap();
-            wait_go.recv().unwrap();
-            d.stream_end_capture(s)
-        });
-        wait_begin.recv().unwrap();
-        ForeignCapture { go, thread }
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            let (began, wait_begin) = mpsc::channel();
+            let (go, wait_go) = mpsc::channel::<()>();
+            let d = d.clone();
+            let thread = std::thread::spawn(move || {
+                d.ctx_set_current(ctx).unwrap();
+                d.stream_begin_capture(s, driver::CaptureMode::Global)
+                    .unwrap();
+                began.send(()).unwrap();
+                wait_go.recv().unwrap();
+                d.stream_end_capture(s)
+            });
+            wait_begin.recv().unwrap();
+            ForeignCapture { go, thread }
+        }
     }
 
     pub fn end(self) -> cuda_stream_pool::Result<driver::Graph> {
@@ -95,15 +104,18 @@ pub struct Gate {
 
 impl Gate {
     pub fn on(d: &dyn Driver, s: Stream) -> Gate {
-        let (tx, rx) = mpsc::channel::<()>();
-        d.launch_host_func(
-            s,
-            Box::new(move || {
-                let _ = rx.recv_timeout(Duration::from_secs(30));
-            }),
-        )
-        .unwrap();
-        Gate { tx: Some(tx) }
+        // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+        unsafe {
+            let (tx, rx) = mpsc::channel::<()>();
+            d.launch_host_func(
+                s,
+                Box::new(move || {
+                    let _ = rx.recv_timeout(Duration::from_secs(30));
+                }),
+            )
+            .unwrap();
+            Gate { tx: Some(tx) }
+        }
     }
 
     pub fn open(&mut self) {

@@ -8,9 +8,11 @@
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{
-    CaptureGuard, Context, DeviceBuffer, ErrorCode, Owner, Priority, StreamRef, MAX_IDLE,
+    CaptureGuard, Context, DeviceBuffer, Error, ErrorCode, Graph, Owner, Priority, StreamRef,
+    MAX_IDLE,
 };
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// One operation of the model. Indices pick among live objects (modulo their number).
@@ -96,20 +98,70 @@ fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
 
 struct Buf {
     b: DeviceBuffer<u32>,
-    /// Allocated while its stream was capturing (the allocation belongs to the graph).
-    in_capture: bool,
     /// The model's own record of the last use: (raw stream, the model's hand-over count of that
     /// stream at the time).
     last: (u64, u64),
+}
+
+/// A capture in progress and the owner of the captured stream.
+///
+/// The owner is shared through an `Rc`, and the guard comes from `Owner::stream_shared`, so it
+/// keeps the owner alive by itself (no borrow to keep beside it).
+struct Capture {
+    guard: Option<CaptureGuard<'static>>,
+    owner: Rc<Owner>,
+    /// The raw captured stream (the simulation never reuses handles).
+    raw: u64,
+}
+
+impl Capture {
+    /// Begins capturing the owner's current stream.
+    fn begin(owner: Rc<Owner>) -> Option<Capture> {
+        let s = owner.stream_shared().ok()?;
+        let raw = s.raw().0;
+        let guard = s.begin_capture().ok()?;
+        drop(s);
+        Some(Capture {
+            guard: Some(guard),
+            owner,
+            raw,
+        })
+    }
+
+    fn guard(&self) -> &CaptureGuard<'static> {
+        self.guard.as_ref().expect("a live capture has its guard")
+    }
+
+    /// Ends the capture; returns the graph and the owner.
+    fn end(mut self) -> (cuda_stream_pool::Result<Graph>, Rc<Owner>) {
+        let g = self.guard.take().expect("a live capture has its guard");
+        (g.end(), self.owner.clone())
+    }
+
+    /// Drops the guard (ending the capture, discarding the graph); returns the owner.
+    fn discard(mut self) -> Rc<Owner> {
+        drop(self.guard.take());
+        self.owner.clone()
+    }
+}
+
+/// Asserts that the owner's stream `raw` (if it still holds it) is no longer capturing.
+fn assert_not_capturing(owner: &Owner, raw: u64, what: &str) {
+    for (_, s) in owner.streams() {
+        if s.raw().0 == raw {
+            assert!(!s.is_capturing().unwrap_or(false), "{what}");
+        }
+    }
 }
 
 /// The model's state: the simulated driver, one context, and the live objects.
 pub struct Model {
     pub sim: Arc<SimDriver>,
     ctx: Option<Context>,
-    owners: Vec<Owner>,
+    /// Owners are shared with the captures of their streams (see [`Capture`]).
+    owners: Vec<Rc<Owner>>,
     bufs: Vec<Buf>,
-    guards: Vec<(CaptureGuard, StreamRef)>,
+    guards: Vec<Capture>,
     steps: usize,
     /// A model id per owner (parallel to `owners`).
     owner_ids: Vec<u64>,
@@ -175,8 +227,8 @@ impl Model {
     }
 
     /// The owner's stream, with the model's hand-over record brought up to date.
-    fn stream_of(&mut self, i: usize) -> Option<StreamRef> {
-        let s = self.owners[i].stream().ok();
+    fn stream_of<'o>(&mut self, o: &'o Owner) -> Option<StreamRef<'o>> {
+        let s = o.stream().ok();
         self.sync_holdings();
         s
     }
@@ -222,7 +274,12 @@ impl Model {
     }
 
     fn capturing(&self, s: &StreamRef) -> bool {
-        self.guards.iter().any(|(_, g)| g.same_stream(s))
+        self.guards.iter().any(|c| c.raw == s.raw().0)
+    }
+
+    /// The capture of stream `raw`, if the model has one.
+    fn capture_of(&self, raw: u64) -> Option<&Capture> {
+        self.guards.iter().find(|c| c.raw == raw)
     }
 
     /// Applies one operation, then checks the invariants.
@@ -232,22 +289,37 @@ impl Model {
         match *op {
             Op::NewOwner => {
                 if self.owners.len() < 48 {
-                    self.owners.push(self.ctx().owner());
+                    self.owners.push(Rc::new(self.ctx().owner()));
                     self.owner_ids.push(self.next_owner);
                     self.next_owner += 1;
                 }
             }
             Op::DropOwner(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    self.owners.swap_remove(i);
+                    // An owner cannot be dropped while a capture of its stream lives (a compile
+                    // error): its captures are ended (guards dropped) first.
+                    let o = self.owners.swap_remove(i);
                     self.owner_ids.swap_remove(i);
+                    let (mine, rest): (Vec<Capture>, Vec<Capture>) =
+                        std::mem::take(&mut self.guards)
+                            .into_iter()
+                            .partition(|c| Rc::ptr_eq(&c.owner, &o));
+                    self.guards = rest;
+                    for c in mine {
+                        let raw = c.raw;
+                        c.discard();
+                        assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
+                    }
+                    assert_eq!(Rc::strong_count(&o), 1, "the owner is still shared");
+                    drop(o);
                     self.sync_holdings();
                 }
             }
             Op::Work { owner, ns } => {
                 if let Some(i) = pick(&self.owners, owner) {
                     let before = self.owners[i].streams().len();
-                    if let Some(s) = self.stream_of(i) {
+                    let o = self.owners[i].clone();
+                    if let Some(s) = self.stream_of(&o) {
                         acquired = self.owners[i].streams().len() > before;
                         if acquired {
                             self.check_fresh(&s);
@@ -303,16 +375,33 @@ impl Model {
             }
             Op::Alloc { owner, len } => {
                 if let Some(i) = pick(&self.owners, owner) {
-                    if let Some(s) = self.stream_of(i) {
-                        let in_capture = self.capturing(&s);
-                        if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
+                    let o = self.owners[i].clone();
+                    if let Some(s) = self.stream_of(&o) {
+                        if let Some(c) = self.capture_of(s.raw().0) {
+                            // Allocating on a capturing stream is refused (before any driver
+                            // call), and the capture is left as it was. (Zero elements are
+                            // refused first, as always.)
+                            let g = c.guard();
+                            let before = g.info().ok();
+                            let r = DeviceBuffer::<u32>::alloc(&s, len);
+                            assert!(
+                                matches!(r, Err(Error::CaptureInProgress(_)))
+                                    || (len == 0 && matches!(r, Err(Error::InvalidArgument(_)))),
+                                "allocation in a capture: {r:?}"
+                            );
+                            if let Some(before) = before {
+                                // (An injected fault may hit this query itself: faults are one-shot.)
+                                let after = g.info().or_else(|_| g.info()).ok();
+                                assert_eq!(
+                                    after,
+                                    Some(before),
+                                    "a refused allocation changed the capture"
+                                );
+                            }
+                        } else if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
                             if self.bufs.len() < 64 {
                                 let last = (s.raw().0, self.gen_of(s.raw().0));
-                                self.bufs.push(Buf {
-                                    b,
-                                    in_capture,
-                                    last,
-                                });
+                                self.bufs.push(Buf { b, last });
                             }
                         }
                     }
@@ -320,8 +409,9 @@ impl Model {
             }
             Op::UseOn { buffer, owner } => {
                 if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), pick(&self.owners, owner)) {
-                    if let Some(s) = self.stream_of(i) {
-                        if !self.capturing(&s) && !self.bufs[j].in_capture {
+                    let o = self.owners[i].clone();
+                    if let Some(s) = self.stream_of(&o) {
+                        if !self.capturing(&s) {
                             self.sim.clear_calls();
                             let r = self.bufs[j].b.use_on(&s);
                             let raw = s.raw().0;
@@ -330,7 +420,10 @@ impl Model {
                                 self.bufs[j].b.as_raw().0,
                                 Some(raw),
                             );
-                            if r.is_ok() {
+                            // The use is recorded when its guard drops.
+                            let ok = r.is_ok();
+                            drop(r);
+                            if ok {
                                 self.bufs[j].last = (raw, self.gen_of(raw));
                             }
                         }
@@ -342,12 +435,11 @@ impl Model {
                     let buf = self.bufs.swap_remove(j);
                     let p = buf.b.as_raw();
                     let (last, _, current) = buf.b.last_use();
-                    let last_capturing =
-                        current && self.guards.iter().any(|(_, g)| g.raw() == last);
+                    let last_capturing = current && self.capture_of(last.0).is_some();
                     self.sim.clear_calls();
                     drop(buf.b);
                     self.check_buffer_calls(buf.last, p.0, None);
-                    if last_capturing && !buf.in_capture {
+                    if last_capturing {
                         let freed = self.sim.calls().iter().any(|c| {
                             c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
                         });
@@ -357,10 +449,13 @@ impl Model {
             }
             Op::BeginCapture(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    if let Some(s) = self.stream_of(i) {
-                        if !self.capturing(&s) {
-                            if let Ok(g) = s.begin_capture() {
-                                self.guards.push((g, s));
+                    let o = self.owners[i].clone();
+                    if let Some(s) = self.stream_of(&o) {
+                        let capturing = self.capturing(&s);
+                        drop(s);
+                        if !capturing {
+                            if let Some(c) = Capture::begin(o) {
+                                self.guards.push(c);
                             }
                         }
                     }
@@ -368,14 +463,13 @@ impl Model {
             }
             Op::NestedBegin(k) => {
                 if let Some(k) = pick(&self.guards, k) {
-                    let s = self.guards[k].1.clone();
-                    let before = self.guards[k].0.info().ok();
-                    let r = s.begin_capture();
+                    let g = self.guards[k].guard();
+                    let before = g.info().ok();
+                    let r = g.stream().begin_capture();
                     assert!(r.is_err(), "a nested begin succeeded");
                     drop(r);
                     if let Some(before) = before {
                         // (An injected fault may hit this query itself: faults are one-shot.)
-                        let g = &self.guards[k].0;
                         let after = g.info().or_else(|_| g.info()).ok();
                         assert_eq!(after, Some(before), "a failed begin changed the capture");
                     }
@@ -383,34 +477,29 @@ impl Model {
             }
             Op::EndCapture { guard, launch } => {
                 if let Some(k) = pick(&self.guards, guard) {
-                    self.drop_captured_buffers(k);
-                    let (g, s) = self.guards.swap_remove(k);
-                    if let Ok(graph) = g.end() {
+                    let c = self.guards.swap_remove(k);
+                    let raw = c.raw;
+                    let (graph, o) = c.end();
+                    if let Ok(graph) = graph {
                         if launch {
                             if let Ok(exec) = graph.instantiate() {
-                                let _ = exec.launch(&s);
+                                if let Some((_, s)) =
+                                    o.streams().into_iter().find(|(_, s)| s.raw().0 == raw)
+                                {
+                                    let _ = exec.launch(&s);
+                                }
                             }
                         }
                     }
-                    if s.is_current() {
-                        assert!(
-                            !s.is_capturing().unwrap_or(false),
-                            "end left the stream capturing"
-                        );
-                    }
+                    assert_not_capturing(&o, raw, "end left the stream capturing");
                 }
             }
             Op::DropGuard(k) => {
                 if let Some(k) = pick(&self.guards, k) {
-                    self.drop_captured_buffers(k);
-                    let (g, s) = self.guards.swap_remove(k);
-                    drop(g);
-                    if s.is_current() {
-                        assert!(
-                            !s.is_capturing().unwrap_or(false),
-                            "a dropped guard left the stream capturing"
-                        );
-                    }
+                    let c = self.guards.swap_remove(k);
+                    let raw = c.raw;
+                    let o = c.discard();
+                    assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
                 }
             }
             Op::Fault { nth, code } => self.sim.fail_nth_call(nth, ErrorCode(code)),
@@ -420,18 +509,6 @@ impl Model {
         }
         self.sync_holdings();
         self.check(acquired);
-    }
-
-    /// Buffers allocated inside guard `k`'s capture are dropped before it ends, so that their
-    /// frees are nodes of the graph (the documented pattern; freeing graph memory before the graph
-    /// ever ran is a driver error).
-    fn drop_captured_buffers(&mut self, k: usize) {
-        let raw = self.guards[k].1.raw().0;
-        let (mine, rest): (Vec<Buf>, Vec<Buf>) = std::mem::take(&mut self.bufs)
-            .into_iter()
-            .partition(|b| b.in_capture && b.b.last_use().0 .0 == raw);
-        self.bufs = rest;
-        drop(mine);
     }
 
     /// A stream just handed to an owner has no pending work.
@@ -474,9 +551,6 @@ impl Model {
     /// Drops everything; every stream must be destroyed and every byte freed exactly once.
     pub fn teardown(mut self) {
         self.sim.clear_faults();
-        for k in 0..self.guards.len() {
-            self.drop_captured_buffers(k);
-        }
         self.guards.clear();
         self.bufs.clear();
         self.owners.clear();
