@@ -7,7 +7,7 @@ use crate::driver::{
     self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
 };
 use crate::error::{Error, ErrorCode, Result};
-use crate::pool::{Pool, PoolStats, Slot};
+use crate::pool::{destroy_idle, Pool, PoolStats, Slot};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
@@ -155,8 +155,12 @@ pub(crate) struct CtxInner {
     pub(crate) mem_pool: MemPool,
     events: Mutex<Vec<Event>>,
     deferred: Mutex<Vec<Deferred>>,
-    /// `deferred.len()`, readable without the lock: the fast path of every flush.
+    /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every
+    /// flush.
     deferred_len: AtomicUsize,
+    /// Streams of dropped `OwnedStream`s that could not be destroyed yet (their work did not
+    /// complete, or the driver refused): destroyed by later flushes once idle, or at teardown.
+    orphans: Mutex<Vec<Arc<Slot>>>,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
@@ -296,6 +300,7 @@ impl Context {
                 events: Mutex::new(Vec::new()),
                 deferred: Mutex::new(Vec::new()),
                 deferred_len: AtomicUsize::new(0),
+                orphans: Mutex::new(Vec::new()),
                 _keep_alive: keep_alive,
                 torn_down: false,
             }),
@@ -441,10 +446,25 @@ impl Context {
         Ok(n)
     }
 
-    /// Frees that the crate could not enqueue yet (their stream is capturing, or the driver
-    /// refused): they are retried, ordered, at the end of the capture and by later operations of
-    /// this context (owner drops, allocations, frees, `trim`).
-    pub fn pending_frees(&self) -> usize {
+    /// Frees and stream destroys that the crate could not make yet (the stream is capturing,
+    /// its work has not completed, or the driver refused): retried, ordered, at the end of the
+    /// capture and by later operations of this context (owner drops, allocations, frees,
+    /// `trim`), and at teardown.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// let b = DeviceBuffer::<f32>::zeroed(&s, 8).unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// drop(b);                                 // its stream is capturing: kept for now
+    /// assert_eq!(ctx.pending(), 1);
+    /// drop(g);                                 // the capture ends: freed
+    /// assert_eq!(ctx.pending(), 0);
+    /// ```
+    pub fn pending(&self) -> usize {
         self.inner.deferred_len.load(Ordering::Acquire)
     }
 
@@ -638,32 +658,56 @@ impl CtxInner {
                 slot: slot.clone(),
                 gen,
             });
-            self.deferred_len.store(list.len(), Ordering::Release);
+            self.deferred_len.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Destroys a dropped `OwnedStream`'s stream once its work has completed, or keeps it for
+    /// a later flush (never destroyed under its work).
+    pub(crate) fn destroy_or_keep(&self, slot: Arc<Slot>, wait: bool) {
+        let done = CaptureModeGuard::relaxed(&*self.driver)
+            .ok()
+            .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
+        if !done && !slot.lock().destroyed {
+            let mut list = self.orphans.lock().unwrap_or_else(|p| p.into_inner());
+            list.push(slot);
+            self.deferred_len.fetch_add(1, Ordering::AcqRel);
         }
     }
 
     /// Retries the frees that could not be enqueued: each is either enqueued, ordered, or kept.
+    /// Then destroys the kept streams that are idle now.
     pub(crate) fn flush_deferred(&self) {
         if self.deferred_len.load(Ordering::Acquire) == 0 {
             return;
         }
+        self.flush(false);
+    }
+
+    /// [`CtxInner::flush_deferred`]; with `wait`, kept streams are waited for.
+    fn flush(&self, wait: bool) {
+        // The count changes under the lock of the list it counts, so it never underflows.
         let taken = {
             let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
-            self.deferred_len.store(0, Ordering::Release);
+            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
             std::mem::take(&mut *list)
         };
-        let mut keep = Vec::new();
+        let orphans = {
+            let mut list = self.orphans.lock().unwrap_or_else(|p| p.into_inner());
+            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
+            std::mem::take(&mut *list)
+        };
         for d in taken {
             // SAFETY: the entry was made by `free_or_defer`, whose contract covers it; it left
             // the list, so no other flush frees it.
             if !unsafe { self.free_ordered(d.ptr, &d.slot, d.gen) } {
-                keep.push(d);
+                let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                list.push(d);
+                self.deferred_len.fetch_add(1, Ordering::AcqRel);
             }
         }
-        if !keep.is_empty() {
-            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
-            list.extend(keep);
-            self.deferred_len.store(list.len(), Ordering::Release);
+        for slot in orphans {
+            self.destroy_or_keep(slot, wait);
         }
     }
 }
@@ -697,6 +741,9 @@ impl Drop for CtxInner {
                     self.deferred.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
                 deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
+                orphans: Mutex::new(std::mem::take(
+                    self.orphans.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,
             };
@@ -708,11 +755,11 @@ impl Drop for CtxInner {
         // alive). Teardown waits and queries in relaxed mode: it invalidates no capture.
         let _ = self.bind();
         let _relaxed = CaptureModeGuard::relaxed(&*self.driver);
-        self.flush_deferred();
+        self.flush(true);
         for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true);
         }
-        self.flush_deferred();
+        self.flush(true);
         // Frees still pending here are leaked (their stream is captured by a leaked guard, or
         // the driver refuses): leaking is safe, freeing unordered is not.
         {

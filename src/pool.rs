@@ -300,6 +300,30 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
     !st.capturing && !st.destroyed && unsafe { driver.stream_query(slot.raw) }.unwrap_or(false)
 }
 
+/// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
+/// and not captured; with `wait`, after waiting for its work. Returns whether it did. The
+/// generation is bumped under the stream's lock, so a buffer last used on it then frees on the
+/// disposal stream, unordered: correct only because the stream's work has completed. The caller
+/// runs it in relaxed capture mode.
+pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Result<bool> {
+    let mut st = slot.lock();
+    if st.destroyed {
+        return Ok(false);
+    }
+    if wait && !st.capturing {
+        // SAFETY: the stream is live (not destroyed, under the lock).
+        unsafe { driver.stream_synchronize(slot.raw) }?;
+    }
+    if !is_idle(driver, slot, &st) {
+        return Ok(false);
+    }
+    // SAFETY: the stream is live, held by nobody, idle and not captured; after the generation
+    // bump below nothing enqueues on it (frees check `destroyed` under the lock).
+    unsafe { driver.stream_destroy(slot.raw) }?;
+    st.destroy();
+    Ok(true)
+}
+
 impl Pool {
     pub(crate) fn new(priority: i32, flags: u32) -> Pool {
         Pool {
@@ -402,18 +426,9 @@ impl Pool {
     /// Destroys a retired stream if it is idle (with `wait`, after waiting for its work).
     /// Returns whether it did; the caller removes it from its list.
     fn destroy_if_idle(&self, driver: &dyn Driver, slot: &Arc<Slot>, wait: bool) -> Result<bool> {
-        let mut st = slot.lock();
-        if wait && !st.capturing && !st.destroyed {
-            // SAFETY: the stream is live (not destroyed, under the lock).
-            unsafe { driver.stream_synchronize(slot.raw) }?;
-        }
-        if !is_idle(driver, slot, &st) {
+        if !destroy_idle(driver, slot, wait)? {
             return Ok(false);
         }
-        // SAFETY: the stream is live, retired (no owner), idle and not captured; after the
-        // generation bump below nothing enqueues on it (frees check `destroyed` under the lock).
-        unsafe { driver.stream_destroy(slot.raw) }?;
-        st.destroy();
         self.retired.fetch_sub(1, Ordering::AcqRel);
         self.counters.destroyed.fetch_add(1, Ordering::Release);
         Ok(true)

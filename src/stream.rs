@@ -296,29 +296,14 @@ impl OwnedStream {
 impl Drop for OwnedStream {
     fn drop(&mut self) {
         let (ctx, slot) = (self.ctx.clone(), self.slot.clone());
-        off_host_fn_thread(move || destroy_owned(&ctx, &slot));
+        off_host_fn_thread(move || destroy_owned(&ctx, slot));
     }
 }
 
 /// Synchronizes and destroys an owned stream (kept instead, when that is not safe).
-fn destroy_owned(ctx: &Context, slot: &Slot) {
-    let d = &*ctx.inner.driver;
-    let Ok(_relaxed) = CaptureModeGuard::relaxed(d) else {
-        return; // leaked: destroying without waiting could free memory under its work
-    };
-    let mut st = slot.lock();
-    if st.capturing {
-        // A capture guard was leaked (`mem::forget`): the stream is kept, never destroyed
-        // while captured.
-        return;
-    }
-    // SAFETY: the stream is ours and live; no guard captures it (a guard borrows us).
-    if unsafe { d.stream_synchronize(slot.raw) }.is_err() {
-        // Its work did not complete: keep the stream (buffers last used on it still free
-        // on it, ordered), rather than let them free unordered on the disposal stream.
-        return;
-    }
-    st.destroy();
-    // SAFETY: idle, and after the generation bump nothing enqueues on it.
-    let _ = unsafe { d.stream_destroy(slot.raw) };
+fn destroy_owned(ctx: &Context, slot: Arc<Slot>) {
+    // Waits for the stream's work, then destroys it; if that fails (a leaked capture guard, a
+    // driver error), the context keeps the stream and destroys it once it is idle: buffers last
+    // used on it free on it, ordered, meanwhile.
+    ctx.inner.destroy_or_keep(slot, true);
 }

@@ -1,6 +1,6 @@
 //! Model-based property test: random operation sequences on the public API over the simulated
 //! driver, with the invariants of `tests/model` checked after every step and at teardown.
-//! `CSP_PROPTEST_CASES` sets the number of cases (default 10,000).
+//! `CSP_PROPTEST_CASES` sets the number of cases (default 2,000).
 
 mod model;
 
@@ -10,7 +10,7 @@ fn cases() -> u32 {
     std::env::var("CSP_PROPTEST_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000)
+        .unwrap_or(2_000)
 }
 
 proptest! {

@@ -736,7 +736,7 @@ fn fork_into_capture_refused(d: &Arc<dyn Driver>) {
     let g = s.begin_capture().unwrap();
     assert!(matches!(t.wait_for(&s), Err(Error::CaptureInProgress(_))));
     drop(buf);
-    assert_eq!(ctx.pending_frees(), 0, "the free on t must not be deferred");
+    assert_eq!(ctx.pending(), 0, "the free on t must not be deferred");
     capture_intact(g.end());
     ctx.synchronize().unwrap();
 }

@@ -3,36 +3,147 @@
 //! sequence of operations on the public API over the simulated driver, and after every step the
 //! crate's invariants are checked. A violated invariant is a panic with a message; an error
 //! returned by the API is fine (faults are injected on purpose), a panic from the API is not.
+//!
+//! The simulated driver is the oracle for memory: work in the model reads and writes buffer
+//! memory (`SimDriver::enqueue_access` under a `BufferUse`, the crate's kernels, copies), and the
+//! simulator reports every access or free that is not ordered after an earlier conflicting one
+//! (a race), every access after a free, and every read of memory never written. Concurrent steps
+//! ([`Op::Par`]) run two or three worker threads interleaved one driver call at a time by the
+//! scheduler of `sched.rs`, with the interleaving drawn from the input.
 #![allow(dead_code)]
+
+mod sched;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{
-    CaptureGuard, Context, DeviceBuffer, Error, ErrorCode, Graph, Owner, Priority, StreamRef,
-    MAX_IDLE,
+    CaptureGuard, Context, DeviceBuffer, Error, ErrorCode, Graph, GraphExec, OwnedStream, Owner,
+    Priority, StreamRef, MAX_IDLE,
 };
+use sched::{Hooked, Sched};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 
-/// One operation of the model. Indices pick among live objects (modulo their number).
+/// One operation of the model. Indices pick among live objects (modulo their number); a
+/// "holder" is an owner or an owned stream.
 #[derive(Debug, Clone)]
 pub enum Op {
     NewOwner,
     DropOwner(usize),
-    Work { owner: usize, ns: u64 },
+    /// Moves an owner to another thread and drops it there.
+    DropOwnerElsewhere(usize),
+    Work {
+        owner: usize,
+        ns: u64,
+    },
     Advance(u64),
-    SetPriority { owner: usize, p: i32 },
-    Scoped { owner: usize, p: i32, ns: u64 },
-    Alloc { owner: usize, len: usize },
-    UseOn { buffer: usize, owner: usize },
+    SetPriority {
+        owner: usize,
+        p: i32,
+    },
+    Scoped {
+        owner: usize,
+        p: i32,
+        ns: u64,
+    },
+    Alloc {
+        holder: usize,
+        len: usize,
+    },
+    UseOn {
+        buffer: usize,
+        owner: usize,
+    },
+    /// GPU work that reads or writes the buffer, enqueued under a `BufferUse` of it.
+    Access {
+        buffer: usize,
+        holder: usize,
+        write: bool,
+        ns: u64,
+    },
+    /// The crate's `add_u32` kernel on the buffer.
+    Kernel {
+        buffer: usize,
+        holder: usize,
+    },
+    /// A blocking copy of the buffer back to the host.
+    ReadBack {
+        buffer: usize,
+        holder: usize,
+    },
     DropBuffer(usize),
+    /// Moves the model's reference to a buffer to another thread and drops it there.
+    DropBufferElsewhere(usize),
+    WaitFor {
+        a: usize,
+        b: usize,
+    },
+    /// A host function; with `take`, its closure owns one of the model's buffers (dropped on the
+    /// host-function thread).
+    HostFn {
+        holder: usize,
+        take: Option<usize>,
+    },
+    NewOwned {
+        p: i32,
+    },
+    DropOwned(usize),
     BeginCapture(usize),
     NestedBegin(usize),
-    EndCapture { guard: usize, launch: bool },
+    EndCapture {
+        guard: usize,
+        keep: bool,
+    },
     DropGuard(usize),
-    Fault { nth: u64, code: u32 },
+    LaunchExec {
+        exec: usize,
+        holder: usize,
+    },
+    DropExec(usize),
+    Fault {
+        nth: u64,
+        code: u32,
+    },
     Trim,
+    /// Worker threads, each with its own owner, running their steps at the same time,
+    /// interleaved at driver-call granularity as `schedule` says.
+    Par {
+        workers: Vec<Vec<WOp>>,
+        schedule: Vec<u8>,
+    },
+}
+
+/// A step of a worker thread in [`Op::Par`]; it works on its own owner's stream.
+#[derive(Debug, Clone)]
+pub enum WOp {
+    Access {
+        buffer: usize,
+        write: bool,
+        ns: u64,
+    },
+    Kernel {
+        buffer: usize,
+    },
+    ReadBack {
+        buffer: usize,
+    },
+    LaunchExec {
+        exec: usize,
+    },
+    /// Drops the worker's reference to a buffer (the last reference frees it, on this thread).
+    DropBuffer {
+        buffer: usize,
+    },
+    Alloc {
+        len: usize,
+    },
+    /// Drops the worker's owner (its streams go back to the pool) and takes a new one.
+    NewOwner,
+    Capture {
+        buffer: usize,
+    },
 }
 
 const CODES: [u32; 5] = [1, 2, 400, 700, 999];
@@ -48,9 +159,31 @@ pub fn decode(bytes: &[u8], max: usize) -> Vec<Op> {
     ops
 }
 
+fn idx(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
+    u.int_in_range(0..=15usize)
+}
+
+fn decode_wop(u: &mut Unstructured<'_>) -> arbitrary::Result<WOp> {
+    Ok(match u.int_in_range(0..=9u8)? {
+        0..=2 => WOp::Access {
+            buffer: idx(u)?,
+            write: u.arbitrary()?,
+            ns: u.int_in_range(0..=5_000u64)?,
+        },
+        3 => WOp::Kernel { buffer: idx(u)? },
+        4 => WOp::ReadBack { buffer: idx(u)? },
+        5 => WOp::LaunchExec { exec: idx(u)? },
+        6 => WOp::DropBuffer { buffer: idx(u)? },
+        7 => WOp::Alloc {
+            len: u.int_in_range(1..=64usize)?,
+        },
+        8 => WOp::NewOwner,
+        _ => WOp::Capture { buffer: idx(u)? },
+    })
+}
+
 fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
-    let idx = |u: &mut Unstructured<'_>| u.int_in_range(0..=15usize);
-    Ok(match u.int_in_range(0..=15u8)? {
+    Ok(match u.int_in_range(0..=31u8)? {
         0 | 1 => Op::NewOwner,
         2 => Op::DropOwner(idx(u)?),
         3 => Op::Work {
@@ -68,7 +201,7 @@ fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
             ns: u.int_in_range(0..=5_000u64)?,
         },
         7 | 8 => Op::Alloc {
-            owner: idx(u)?,
+            holder: idx(u)?,
             len: u.int_in_range(0..=64usize)?,
         },
         9 => Op::UseOn {
@@ -80,7 +213,7 @@ fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
         12 => Op::NestedBegin(idx(u)?),
         13 => Op::EndCapture {
             guard: idx(u)?,
-            launch: u.arbitrary()?,
+            keep: u.arbitrary()?,
         },
         14 => {
             if u.ratio(1u8, 4u8)? {
@@ -92,23 +225,91 @@ fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
                 Op::DropGuard(idx(u)?)
             }
         }
-        _ => Op::Trim,
+        15 => Op::Trim,
+        16..=18 => Op::Access {
+            buffer: idx(u)?,
+            holder: idx(u)?,
+            write: u.arbitrary()?,
+            ns: u.int_in_range(0..=10_000u64)?,
+        },
+        19 => Op::Kernel {
+            buffer: idx(u)?,
+            holder: idx(u)?,
+        },
+        20 => Op::ReadBack {
+            buffer: idx(u)?,
+            holder: idx(u)?,
+        },
+        21 => Op::WaitFor {
+            a: idx(u)?,
+            b: idx(u)?,
+        },
+        22 => Op::HostFn {
+            holder: idx(u)?,
+            take: if u.arbitrary()? { Some(idx(u)?) } else { None },
+        },
+        23 => Op::NewOwned {
+            p: u.int_in_range(-5..=0i32)?,
+        },
+        24 => Op::DropOwned(idx(u)?),
+        25 => Op::LaunchExec {
+            exec: idx(u)?,
+            holder: idx(u)?,
+        },
+        26 => Op::DropExec(idx(u)?),
+        27 => Op::DropOwnerElsewhere(idx(u)?),
+        28 => Op::DropBufferElsewhere(idx(u)?),
+        _ => {
+            let n = u.int_in_range(2..=3usize)?;
+            let mut workers = Vec::with_capacity(n);
+            for _ in 0..n {
+                let k = u.int_in_range(1..=4usize)?;
+                let mut w = Vec::with_capacity(k);
+                for _ in 0..k {
+                    w.push(decode_wop(u)?);
+                }
+                workers.push(w);
+            }
+            let len = u.int_in_range(0..=48usize)?;
+            let mut schedule = Vec::with_capacity(len);
+            for _ in 0..len {
+                schedule.push(u.arbitrary()?);
+            }
+            Op::Par { workers, schedule }
+        }
     })
 }
 
+/// A buffer of the model. The model's reference is one of possibly several (graphs keep the
+/// buffers they captured).
 struct Buf {
-    b: DeviceBuffer<u32>,
+    b: Arc<DeviceBuffer<u32>>,
     /// The model's own record of the last use: (raw stream, the model's hand-over count of that
     /// stream at the time).
     last: (u64, u64),
 }
 
-/// A capture in progress and the owner of the captured stream.
-///
-/// The owner is shared through an `Rc`, and the guard comes from `Owner::stream_shared`, so it
-/// keeps the owner alive by itself (no borrow to keep beside it).
+/// A holder of a stream: an owner (shared with the captures of its streams) or an owned stream.
+#[derive(Clone)]
+enum Holder {
+    Owner(u64, Rc<Owner>),
+    Owned(Rc<OwnedStream>),
+}
+
+impl Holder {
+    fn stream(&self) -> Option<StreamRef<'_>> {
+        match self {
+            Holder::Owner(_, o) => o.stream().ok(),
+            Holder::Owned(s) => Some(s.stream()),
+        }
+    }
+}
+
+/// A capture in progress. The guard comes from `Owner::stream_shared`, so it keeps the owner
+/// alive by itself: the model may drop its own reference to the owner first.
 struct Capture {
     guard: Option<CaptureGuard<'static>>,
+    owner_id: u64,
     owner: Rc<Owner>,
     /// The raw captured stream (the simulation never reuses handles).
     raw: u64,
@@ -116,13 +317,14 @@ struct Capture {
 
 impl Capture {
     /// Begins capturing the owner's current stream.
-    fn begin(owner: Rc<Owner>) -> Option<Capture> {
+    fn begin(owner_id: u64, owner: Rc<Owner>) -> Option<Capture> {
         let s = owner.stream_shared().ok()?;
         let raw = s.raw().0;
         let guard = s.begin_capture().ok()?;
         drop(s);
         Some(Capture {
             guard: Some(guard),
+            owner_id,
             owner,
             raw,
         })
@@ -154,17 +356,20 @@ fn assert_not_capturing(owner: &Owner, raw: u64, what: &str) {
     }
 }
 
+type Drv = Hooked<Sched>;
+
 /// The model's state: the simulated driver, one context, and the live objects.
 pub struct Model {
     pub sim: Arc<SimDriver>,
+    drv: Arc<Drv>,
     ctx: Option<Context>,
-    /// Owners are shared with the captures of their streams (see [`Capture`]).
-    owners: Vec<Rc<Owner>>,
+    kernels: Option<Arc<Kernels>>,
+    owners: Vec<(u64, Rc<Owner>)>,
+    owned: Vec<Rc<OwnedStream>>,
     bufs: Vec<Buf>,
     guards: Vec<Capture>,
+    execs: Vec<Arc<GraphExec>>,
     steps: usize,
-    /// A model id per owner (parallel to `owners`).
-    owner_ids: Vec<u64>,
     next_owner: u64,
     /// (owner id, raw stream) pairs seen held; a new pair is a hand-over.
     held: HashSet<(u64, u64)>,
@@ -188,32 +393,58 @@ fn prio(p: i32) -> Priority {
     }
 }
 
+fn refused_in_capture<T: std::fmt::Debug>(r: &cuda_stream_pool::Result<T>, what: &str) {
+    assert!(
+        matches!(r, Err(Error::CaptureInProgress(_))),
+        "{what} on a capturing stream: {r:?}"
+    );
+}
+
 impl Model {
     pub fn new() -> Model {
         let sim = Arc::new(SimDriver::new());
         sim.set_logging(true);
-        let d: Arc<dyn Driver> = sim.clone();
+        let drv = Arc::new(Hooked {
+            inner: sim.clone(),
+            hook: Sched::default(),
+        });
+        let d: Arc<dyn Driver> = drv.clone();
         let ctx = Context::primary(d, 0).expect("context");
+        let kernels = Kernels::load(&ctx).ok().map(Arc::new);
         Model {
             sim,
+            drv,
             ctx: Some(ctx),
+            kernels,
             owners: Vec::new(),
+            owned: Vec::new(),
             bufs: Vec::new(),
             guards: Vec::new(),
+            execs: Vec::new(),
             steps: 0,
-            owner_ids: Vec::new(),
             next_owner: 0,
             held: HashSet::new(),
             gens: HashMap::new(),
         }
     }
 
+    /// Every owner alive: the model's, and those only a capture keeps.
+    fn all_owners(&self) -> Vec<(u64, Rc<Owner>)> {
+        let mut v = self.owners.clone();
+        for c in &self.guards {
+            if !v.iter().any(|(id, _)| *id == c.owner_id) {
+                v.push((c.owner_id, c.owner.clone()));
+            }
+        }
+        v
+    }
+
     /// Records hand-overs: every (owner, stream) pair not seen before bumps the model's count.
     fn sync_holdings(&mut self) {
         let mut now = HashSet::new();
-        for (o, id) in self.owners.iter().zip(&self.owner_ids) {
+        for (id, o) in self.all_owners() {
             for (_, s) in o.streams() {
-                now.insert((*id, s.raw().0));
+                now.insert((id, s.raw().0));
             }
         }
         for pair in now.difference(&self.held) {
@@ -226,11 +457,18 @@ impl Model {
         self.gens.get(&raw).copied().unwrap_or(0)
     }
 
-    /// The owner's stream, with the model's hand-over record brought up to date.
-    fn stream_of<'o>(&mut self, o: &'o Owner) -> Option<StreamRef<'o>> {
-        let s = o.stream().ok();
-        self.sync_holdings();
-        s
+    /// Holder `i` among the owners and the owned streams.
+    fn holder(&self, i: usize) -> Option<Holder> {
+        let n = self.owners.len() + self.owned.len();
+        if n == 0 {
+            return None;
+        }
+        let i = i % n;
+        Some(if i < self.owners.len() {
+            Holder::Owner(self.owners[i].0, self.owners[i].1.clone())
+        } else {
+            Holder::Owned(self.owned[i - self.owners.len()].clone())
+        })
     }
 
     /// Checks the calls a buffer operation made: event records and frees may only touch the
@@ -282,45 +520,66 @@ impl Model {
         self.guards.iter().find(|c| c.raw == raw)
     }
 
+    /// Records a use of buffer `j` on `s` in the model.
+    fn used(&mut self, j: usize, raw: u64) {
+        self.bufs[j].last = (raw, self.gen_of(raw));
+    }
+
+    /// Drops the model's reference to buffer `j`; checks the free when it was the last.
+    fn drop_buffer(&mut self, j: usize) {
+        let buf = self.bufs.swap_remove(j);
+        let p = buf.b.as_raw();
+        let (last, _, current) = buf.b.last_use();
+        let last_capturing = current && self.capture_of(last.0).is_some();
+        let only = Arc::strong_count(&buf.b) == 1;
+        self.sim.clear_calls();
+        drop(buf.b);
+        if only {
+            self.check_buffer_calls(buf.last, p.0, None);
+            if last_capturing {
+                let freed = self.sim.calls().iter().any(|c| {
+                    c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
+                });
+                assert!(!freed, "a free entered a capture");
+            }
+        }
+    }
+
     /// Applies one operation, then checks the invariants.
     pub fn step(&mut self, op: &Op) {
         self.steps += 1;
         let mut acquired = false;
-        match *op {
+        match op {
             Op::NewOwner => {
                 if self.owners.len() < 48 {
-                    self.owners.push(Rc::new(self.ctx().owner()));
-                    self.owner_ids.push(self.next_owner);
+                    self.owners
+                        .push((self.next_owner, Rc::new(self.ctx().owner())));
                     self.next_owner += 1;
                 }
             }
-            Op::DropOwner(i) => {
+            &Op::DropOwner(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    // An owner cannot be dropped while a capture of its stream lives (a compile
-                    // error): its captures are ended (guards dropped) first.
-                    let o = self.owners.swap_remove(i);
-                    self.owner_ids.swap_remove(i);
-                    let (mine, rest): (Vec<Capture>, Vec<Capture>) =
-                        std::mem::take(&mut self.guards)
-                            .into_iter()
-                            .partition(|c| Rc::ptr_eq(&c.owner, &o));
-                    self.guards = rest;
-                    for c in mine {
-                        let raw = c.raw;
-                        c.discard();
-                        assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
-                    }
-                    assert_eq!(Rc::strong_count(&o), 1, "the owner is still shared");
-                    drop(o);
-                    self.sync_holdings();
+                    // A capture of one of its streams keeps the owner alive until it ends.
+                    drop(self.owners.swap_remove(i));
                 }
             }
-            Op::Work { owner, ns } => {
+            &Op::DropOwnerElsewhere(i) => {
+                if let Some(i) = pick(&self.owners, i) {
+                    let (_, o) = self.owners.swap_remove(i);
+                    match Rc::try_unwrap(o) {
+                        Ok(o) => std::thread::spawn(move || drop(o))
+                            .join()
+                            .expect("dropping an owner on another thread panicked"),
+                        Err(o) => drop(o), // a capture still shares it
+                    }
+                }
+            }
+            &Op::Work { owner, ns } => {
                 if let Some(i) = pick(&self.owners, owner) {
-                    let before = self.owners[i].streams().len();
-                    let o = self.owners[i].clone();
-                    if let Some(s) = self.stream_of(&o) {
-                        acquired = self.owners[i].streams().len() > before;
+                    let o = self.owners[i].1.clone();
+                    let before = o.streams().len();
+                    if let Ok(s) = o.stream() {
+                        acquired = o.streams().len() > before;
                         if acquired {
                             self.check_fresh(&s);
                         }
@@ -330,60 +589,55 @@ impl Model {
                     }
                 }
             }
-            Op::Advance(ns) => self.sim.advance(ns),
-            Op::SetPriority { owner, p } => {
+            &Op::Advance(ns) => self.sim.advance(ns),
+            &Op::SetPriority { owner, p } => {
                 if let Some(i) = pick(&self.owners, owner) {
-                    let before = self.owners[i].priority();
-                    let cur = self.owners[i].streams();
-                    let capturing = cur
-                        .iter()
-                        .find(|(q, _)| *q == before)
-                        .is_some_and(|(_, s)| self.capturing(s));
-                    let r = self.owners[i].set_priority(prio(p));
-                    let in_range = (-5..=0).contains(&p) || p == 1 || p == 2;
+                    let o = self.owners[i].1.clone();
+                    let before = o.priority();
                     let value = match p {
                         1 => 0,
                         2 => -5,
                         v => v,
                     };
+                    let capturing = o
+                        .streams()
+                        .iter()
+                        .any(|(q, s)| (*q == before || *q == value) && self.capturing(s));
+                    let r = o.set_priority(prio(p));
+                    let in_range = (-5..=0).contains(&p) || p == 1 || p == 2;
                     if !in_range || (capturing && value != before) {
                         assert!(r.is_err(), "priority {p} accepted (capturing: {capturing})");
                         assert_eq!(
-                            self.owners[i].priority(),
+                            o.priority(),
                             before,
                             "a rejected priority changed the selection"
                         );
                     }
                 }
             }
-            Op::Scoped { owner, p, ns } => {
+            &Op::Scoped { owner, p, ns } => {
                 if let Some(i) = pick(&self.owners, owner) {
-                    let before = self.owners[i].priority();
+                    let o = self.owners[i].1.clone();
+                    let before = o.priority();
                     let sim = self.sim.clone();
-                    let o = &self.owners[i];
                     let _ = o.with_priority(prio(p), || {
                         if let Ok(s) = o.stream() {
                             let _ = sim.enqueue_work(s.raw(), ns);
                         }
                     });
-                    assert_eq!(
-                        self.owners[i].priority(),
-                        before,
-                        "scoped priority not restored"
-                    );
+                    assert_eq!(o.priority(), before, "scoped priority not restored");
                 }
             }
-            Op::Alloc { owner, len } => {
-                if let Some(i) = pick(&self.owners, owner) {
-                    let o = self.owners[i].clone();
-                    if let Some(s) = self.stream_of(&o) {
-                        if let Some(c) = self.capture_of(s.raw().0) {
-                            // Allocating on a capturing stream is refused (before any driver
-                            // call), and the capture is left as it was. (Zero elements are
-                            // refused first, as always.)
+            &Op::Alloc { holder, len } => {
+                if let Some(h) = self.holder(holder) {
+                    if let Some(s) = h.stream() {
+                        self.sync_holdings();
+                        let raw = s.raw().0;
+                        if let Some(c) = self.capture_of(raw) {
+                            // Refused before any driver call; the capture is left as it was.
                             let g = c.guard();
                             let before = g.info().ok();
-                            let r = DeviceBuffer::<u32>::alloc(&s, len);
+                            let r = DeviceBuffer::<u32>::zeroed(&s, len);
                             assert!(
                                 matches!(r, Err(Error::CaptureInProgress(_)))
                                     || (len == 0 && matches!(r, Err(Error::InvalidArgument(_)))),
@@ -398,70 +652,149 @@ impl Model {
                                     "a refused allocation changed the capture"
                                 );
                             }
-                        } else if let Ok(b) = DeviceBuffer::<u32>::alloc(&s, len) {
+                        } else if let Ok(b) = DeviceBuffer::<u32>::zeroed(&s, len) {
                             if self.bufs.len() < 64 {
-                                let last = (s.raw().0, self.gen_of(s.raw().0));
-                                self.bufs.push(Buf { b, last });
+                                let last = (raw, self.gen_of(raw));
+                                self.bufs.push(Buf {
+                                    b: Arc::new(b),
+                                    last,
+                                });
                             }
                         }
                     }
                 }
             }
-            Op::UseOn { buffer, owner } => {
+            &Op::UseOn { buffer, owner } => {
                 if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), pick(&self.owners, owner)) {
-                    let o = self.owners[i].clone();
-                    if let Some(s) = self.stream_of(&o) {
+                    let o = self.owners[i].1.clone();
+                    if let Ok(s) = o.stream() {
+                        self.sync_holdings();
                         if !self.capturing(&s) {
                             self.sim.clear_calls();
-                            let r = self.bufs[j].b.use_on(&s);
+                            let b = self.bufs[j].b.clone();
+                            let r = b.use_on(&s);
                             let raw = s.raw().0;
-                            self.check_buffer_calls(
-                                self.bufs[j].last,
-                                self.bufs[j].b.as_raw().0,
-                                Some(raw),
-                            );
+                            self.check_buffer_calls(self.bufs[j].last, b.as_raw().0, Some(raw));
                             // The use is recorded when its guard drops.
                             let ok = r.is_ok();
                             drop(r);
                             if ok {
-                                self.bufs[j].last = (raw, self.gen_of(raw));
+                                self.used(j, raw);
                             }
                         }
                     }
                 }
             }
-            Op::DropBuffer(j) => {
-                if let Some(j) = pick(&self.bufs, j) {
-                    let buf = self.bufs.swap_remove(j);
-                    let p = buf.b.as_raw();
-                    let (last, _, current) = buf.b.last_use();
-                    let last_capturing = current && self.capture_of(last.0).is_some();
-                    self.sim.clear_calls();
-                    drop(buf.b);
-                    self.check_buffer_calls(buf.last, p.0, None);
-                    if last_capturing {
-                        let freed = self.sim.calls().iter().any(|c| {
-                            c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
-                        });
-                        assert!(!freed, "a free entered a capture");
+            &Op::Access {
+                buffer,
+                holder,
+                write,
+                ns,
+            } => {
+                if let (Some(j), Some(h)) = (pick(&self.bufs, buffer), self.holder(holder)) {
+                    if let Some(s) = h.stream() {
+                        self.sync_holdings();
+                        let b = self.bufs[j].b.clone();
+                        let raw = s.raw().0;
+                        let ok = access(&self.sim, &b, &s, write, ns);
+                        if ok {
+                            self.used(j, raw);
+                        }
                     }
                 }
             }
-            Op::BeginCapture(i) => {
+            &Op::Kernel { buffer, holder } => {
+                if let (Some(j), Some(h), Some(k)) = (
+                    pick(&self.bufs, buffer),
+                    self.holder(holder),
+                    self.kernels.clone(),
+                ) {
+                    if let Some(s) = h.stream() {
+                        self.sync_holdings();
+                        let b = self.bufs[j].b.clone();
+                        if k.add_u32(&s, &b, 1).is_ok() {
+                            self.used(j, s.raw().0);
+                        }
+                    }
+                }
+            }
+            &Op::ReadBack { buffer, holder } => {
+                if let (Some(j), Some(h)) = (pick(&self.bufs, buffer), self.holder(holder)) {
+                    if let Some(s) = h.stream() {
+                        self.sync_holdings();
+                        let b = self.bufs[j].b.clone();
+                        let r = b.to_vec(&s);
+                        if self.capturing(&s) {
+                            refused_in_capture(&r, "a blocking copy");
+                        } else if r.is_ok() {
+                            self.used(j, s.raw().0);
+                        }
+                    }
+                }
+            }
+            &Op::DropBuffer(j) => {
+                if let Some(j) = pick(&self.bufs, j) {
+                    self.drop_buffer(j);
+                }
+            }
+            &Op::DropBufferElsewhere(j) => {
+                if let Some(j) = pick(&self.bufs, j) {
+                    let b = self.bufs.swap_remove(j).b;
+                    std::thread::spawn(move || drop(b))
+                        .join()
+                        .expect("dropping a buffer on another thread panicked");
+                }
+            }
+            &Op::WaitFor { a, b } => {
+                if let (Some(ha), Some(hb)) = (self.holder(a), self.holder(b)) {
+                    if let (Some(sa), Some(sb)) = (ha.stream(), hb.stream()) {
+                        let r = sa.wait_for(&sb);
+                        if self.capturing(&sa) || self.capturing(&sb) {
+                            refused_in_capture(&r, "a wait");
+                        }
+                    }
+                }
+            }
+            &Op::HostFn { holder, take } => {
+                if let Some(h) = self.holder(holder) {
+                    if let Some(s) = h.stream() {
+                        let taken = take
+                            .and_then(|j| pick(&self.bufs, j))
+                            .map(|j| self.bufs.swap_remove(j).b);
+                        let r = s.launch_host_func(move || drop(taken));
+                        if self.capturing(&s) {
+                            refused_in_capture(&r, "a host function");
+                        }
+                    }
+                }
+            }
+            &Op::NewOwned { p } => {
+                if self.owned.len() < 8 {
+                    if let Ok(s) = OwnedStream::new(self.ctx(), Priority::Value(p)) {
+                        self.owned.push(Rc::new(s));
+                    }
+                }
+            }
+            &Op::DropOwned(k) => {
+                if let Some(k) = pick(&self.owned, k) {
+                    drop(self.owned.swap_remove(k));
+                }
+            }
+            &Op::BeginCapture(i) => {
                 if let Some(i) = pick(&self.owners, i) {
-                    let o = self.owners[i].clone();
-                    if let Some(s) = self.stream_of(&o) {
+                    let (id, o) = self.owners[i].clone();
+                    if let Ok(s) = o.stream() {
                         let capturing = self.capturing(&s);
                         drop(s);
                         if !capturing {
-                            if let Some(c) = Capture::begin(o) {
+                            if let Some(c) = Capture::begin(id, o) {
                                 self.guards.push(c);
                             }
                         }
                     }
                 }
             }
-            Op::NestedBegin(k) => {
+            &Op::NestedBegin(k) => {
                 if let Some(k) = pick(&self.guards, k) {
                     let g = self.guards[k].guard();
                     let before = g.info().ok();
@@ -475,26 +808,22 @@ impl Model {
                     }
                 }
             }
-            Op::EndCapture { guard, launch } => {
+            &Op::EndCapture { guard, keep } => {
                 if let Some(k) = pick(&self.guards, guard) {
                     let c = self.guards.swap_remove(k);
                     let raw = c.raw;
                     let (graph, o) = c.end();
                     if let Ok(graph) = graph {
-                        if launch {
+                        if keep && self.execs.len() < 8 {
                             if let Ok(exec) = graph.instantiate() {
-                                if let Some((_, s)) =
-                                    o.streams().into_iter().find(|(_, s)| s.raw().0 == raw)
-                                {
-                                    let _ = exec.launch(&s);
-                                }
+                                self.execs.push(Arc::new(exec));
                             }
                         }
                     }
                     assert_not_capturing(&o, raw, "end left the stream capturing");
                 }
             }
-            Op::DropGuard(k) => {
+            &Op::DropGuard(k) => {
                 if let Some(k) = pick(&self.guards, k) {
                     let c = self.guards.swap_remove(k);
                     let raw = c.raw;
@@ -502,13 +831,119 @@ impl Model {
                     assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
                 }
             }
-            Op::Fault { nth, code } => self.sim.fail_nth_call(nth, ErrorCode(code)),
+            &Op::LaunchExec { exec, holder } => {
+                if let (Some(e), Some(h)) = (pick(&self.execs, exec), self.holder(holder)) {
+                    if let Some(s) = h.stream() {
+                        let r = self.execs[e].launch(&s);
+                        if self.capturing(&s) {
+                            refused_in_capture(&r, "a graph launch");
+                        }
+                        drop(s);
+                        // A launch is a use of every buffer the graph captured.
+                        self.resync_last();
+                    }
+                }
+            }
+            &Op::DropExec(e) => {
+                if let Some(e) = pick(&self.execs, e) {
+                    drop(self.execs.swap_remove(e));
+                }
+            }
+            &Op::Fault { nth, code } => self.sim.fail_nth_call(nth, ErrorCode(code)),
             Op::Trim => {
                 let _ = self.ctx().trim();
             }
+            Op::Par { workers, schedule } => self.par(workers, schedule),
         }
         self.sync_holdings();
         self.check(acquired);
+    }
+
+    /// Runs the workers at the same time, one driver call at a time, as `schedule` says.
+    fn par(&mut self, workers: &[Vec<WOp>], schedule: &[u8]) {
+        let bufs: Vec<Arc<DeviceBuffer<u32>>> = self.bufs.iter().map(|b| b.b.clone()).collect();
+        let shared = Arc::new(Shared {
+            ctx: self.ctx().clone(),
+            sim: self.sim.clone(),
+            kernels: self.kernels.clone(),
+            execs: self.execs.clone(),
+        });
+        // Buffers that a worker drops are handed over: the model forgets them, so that their
+        // last reference goes on a worker thread (possibly while another worker uses them).
+        let n = self.bufs.len();
+        if n > 0 {
+            let mut gone: Vec<usize> = workers
+                .iter()
+                .flatten()
+                .filter_map(|w| match w {
+                    WOp::DropBuffer { buffer } => Some(buffer % n),
+                    _ => None,
+                })
+                .collect();
+            gone.sort_unstable();
+            gone.dedup();
+            for j in gone.into_iter().rev() {
+                self.bufs.remove(j);
+            }
+        }
+        self.drv.hook.begin(workers.len());
+        let handles: Vec<_> = workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let (shared, w, drv) = (shared.clone(), w.clone(), self.drv.clone());
+                let bufs = bufs.clone();
+                std::thread::spawn(move || {
+                    drv.hook.register(i);
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        worker(&shared, bufs, &w)
+                    }));
+                    // Everything the worker holds goes under the schedule too.
+                    drop(shared);
+                    drv.hook.done();
+                    r
+                })
+            })
+            .collect();
+        // The workers hold the only references to the buffers handed over.
+        drop(bufs);
+        if let Err(e) = self.drv.hook.run(schedule) {
+            // The workers are left where they are (joining them would hang the test).
+            panic!("{e}; steps: {workers:?}");
+        }
+        drop(shared);
+        for h in handles {
+            match h.join().expect("a worker thread failed") {
+                Ok(out) => {
+                    for raw in out.held {
+                        *self.gens.entry(raw).or_insert(0) += 1;
+                    }
+                    for b in out.new_bufs {
+                        if self.bufs.len() < 64 {
+                            let raw = b.last_use().0 .0;
+                            let last = (raw, self.gen_of(raw));
+                            self.bufs.push(Buf { b, last });
+                        }
+                    }
+                    if self.execs.len() < 8 {
+                        self.execs.extend(out.new_execs);
+                    }
+                }
+                Err(p) => std::panic::resume_unwind(p),
+            }
+        }
+        // The workers' order is the schedule's.
+        self.resync_last();
+    }
+
+    /// Takes the buffers' last uses as the crate recorded them (after steps whose order of uses
+    /// the model does not follow itself: graph launches, concurrent steps).
+    fn resync_last(&mut self) {
+        self.sync_holdings();
+        for j in 0..self.bufs.len() {
+            let raw = self.bufs[j].b.last_use().0 .0;
+            self.used(j, raw);
+        }
     }
 
     /// A stream just handed to an owner has no pending work.
@@ -520,7 +955,7 @@ impl Model {
     pub fn check(&self, after_search: bool) {
         // No two live owners share a stream.
         let mut seen = HashSet::new();
-        for o in &self.owners {
+        for (_, o) in self.all_owners() {
             for (_, s) in o.streams() {
                 assert!(
                     seen.insert(s.raw()),
@@ -542,8 +977,15 @@ impl Model {
                 "more than {MAX_IDLE} idle after a search: {st:?}"
             );
         }
-        // live streams = owners' + idle + retired-busy + disposal
-        assert_eq!(self.sim.counters().live_streams, st.live + 1, "{st:?}");
+        // live streams = owners' + idle + retired-busy + owned + kept (a dropped owned stream
+        // whose destroy failed counts among the pending) + disposal
+        let live = self.sim.counters().live_streams;
+        let expected = st.live + self.owned.len() as u64 + 1;
+        assert!(
+            live >= expected && live <= expected + self.ctx().pending() as u64,
+            "{live} streams live, expected {expected} (+ up to {} kept): {st:?}",
+            self.ctx().pending()
+        );
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
     }
@@ -552,16 +994,126 @@ impl Model {
     pub fn teardown(mut self) {
         self.sim.clear_faults();
         self.guards.clear();
+        self.execs.clear();
         self.bufs.clear();
         self.owners.clear();
+        self.owned.clear();
+        self.kernels = None;
         self.ctx = None;
+        // Objects dropped inside host functions are torn down on threads of their own: give
+        // them a moment.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::time::Instant::now() < until {
+            let c = self.sim.counters();
+            if c.live_streams == 0 && c.live_allocs == 0 && c.live_events == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let c = self.sim.counters();
         assert_eq!(c.live_streams, 0, "streams leaked: {c:?}");
         assert_eq!(c.live_allocs, 0, "memory leaked: {c:?}");
         assert_eq!(c.live_events, 0, "events leaked: {c:?}");
+        assert_eq!(c.live_modules, 0, "modules leaked: {c:?}");
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
     }
+}
+
+/// GPU work that reads or writes the whole buffer, on `s`, under a use of it. Returns whether
+/// the use was made.
+fn access(sim: &SimDriver, b: &DeviceBuffer<u32>, s: &StreamRef, write: bool, ns: u64) -> bool {
+    match b.use_on(s) {
+        Ok(u) => {
+            let _ = sim.enqueue_access(s.raw(), u.ptr(), u.bytes(), write, ns);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// What the workers of a concurrent step share (references to the model's objects).
+struct Shared {
+    ctx: Context,
+    sim: Arc<SimDriver>,
+    kernels: Option<Arc<Kernels>>,
+    execs: Vec<Arc<GraphExec>>,
+}
+
+/// What a worker hands back.
+#[derive(Default)]
+struct WorkerOut {
+    /// Raw streams its owners held (hand-overs the model did not see).
+    held: Vec<u64>,
+    new_bufs: Vec<Arc<DeviceBuffer<u32>>>,
+    new_execs: Vec<Arc<GraphExec>>,
+}
+
+/// One worker of a concurrent step: its own owner, the shared buffers and graphs.
+fn worker(shared: &Shared, bufs: Vec<Arc<DeviceBuffer<u32>>>, steps: &[WOp]) -> WorkerOut {
+    let mut out = WorkerOut::default();
+    let mut bufs: Vec<Option<Arc<DeviceBuffer<u32>>>> = bufs.into_iter().map(Some).collect();
+    let mut owner = shared.ctx.owner();
+    let note = |o: &Owner, out: &mut WorkerOut| {
+        for (_, s) in o.streams() {
+            if !out.held.contains(&s.raw().0) {
+                out.held.push(s.raw().0);
+            }
+        }
+    };
+    for step in steps {
+        let buf = |i: usize| pick(&bufs, i).and_then(|i| bufs[i].clone());
+        match *step {
+            WOp::Access { buffer, write, ns } => {
+                if let (Some(b), Ok(s)) = (buf(buffer), owner.stream()) {
+                    access(&shared.sim, &b, &s, write, ns);
+                }
+            }
+            WOp::Kernel { buffer } => {
+                if let (Some(b), Ok(s), Some(k)) = (buf(buffer), owner.stream(), &shared.kernels) {
+                    let _ = k.add_u32(&s, &b, 1);
+                }
+            }
+            WOp::ReadBack { buffer } => {
+                if let (Some(b), Ok(s)) = (buf(buffer), owner.stream()) {
+                    let _ = b.to_vec(&s);
+                }
+            }
+            WOp::LaunchExec { exec } => {
+                if let (Some(e), Ok(s)) = (pick(&shared.execs, exec), owner.stream()) {
+                    let _ = shared.execs[e].launch(&s);
+                }
+            }
+            WOp::DropBuffer { buffer } => {
+                if let Some(i) = pick(&bufs, buffer) {
+                    bufs[i] = None;
+                }
+            }
+            WOp::Alloc { len } => {
+                if let Ok(s) = owner.stream() {
+                    if let Ok(b) = DeviceBuffer::<u32>::zeroed(&s, len) {
+                        out.new_bufs.push(Arc::new(b));
+                    }
+                }
+            }
+            WOp::NewOwner => {
+                note(&owner, &mut out);
+                owner = shared.ctx.owner();
+            }
+            WOp::Capture { buffer } => {
+                if let (Some(b), Ok(s)) = (buf(buffer), owner.stream()) {
+                    if let Ok(g) = s.begin_capture() {
+                        access(&shared.sim, &b, &s, true, 100);
+                        if let Ok(exec) = g.end().and_then(Graph::instantiate) {
+                            out.new_execs.push(Arc::new(exec));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    note(&owner, &mut out);
+    out
 }
 
 impl Default for Model {
