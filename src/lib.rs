@@ -101,6 +101,18 @@
 //!   memory must stay valid (and untouched, for a copy to host) until the copy has completed.
 //! * [`DeviceCopy`]: implement it only for plain data where every bit pattern is valid.
 //!
+//! ### Limits that follow from the rules
+//!
+//! * A buffer whose last use is on a stream that has since begun a capture cannot be used on
+//!   another stream until that capture ends ([`Error::CaptureInProgress`]): an event recorded
+//!   there now would belong to the capture.
+//! * A buffer used in a capture must have no pending use on another stream (a capture cannot wait
+//!   for outside work); synchronize that stream, or use the buffer on the capturing stream first.
+//! * Allocation inside a capture (graph-owned memory) is refused: allocate before the capture.
+//! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
+//!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] keeps the
+//!   buffer's use lock: other threads' uses of that buffer block.
+//!
 //! ## Drivers
 //!
 //! Everything runs on a [`driver::Driver`]: the real one ([`driver::CudaDriver`], `libcuda`

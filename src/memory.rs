@@ -242,7 +242,7 @@ pub(crate) fn launch_with_uses(
 }
 
 /// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
-/// its last use. See the [module docs](self) for the rules; in short, every use goes through a
+/// its last use. In short (the crate docs' safety contract has the rules), every use goes through a
 /// [`BufferUse`] (the crate's copies and kernels make one), and the free is always ordered after
 /// the last use.
 ///
