@@ -3,67 +3,23 @@
 //! simulated driver, and failed until the fix; it asserts the correct behaviour. Tests that would
 //! otherwise hang run the scenario on a spawned thread and fail after a timeout.
 
+#[path = "common/calls.rs"]
+mod calls;
 #[path = "common/pausing.rs"]
 mod pausing;
 
+use calls::{fmt_calls, pausing, recorded_on, setup};
+
 use cuda_stream_pool::driver::sim::Call;
-use cuda_stream_pool::driver::{SimDriver, Stream};
+use cuda_stream_pool::driver::Stream;
 use cuda_stream_pool::kernels::Kernels;
-use cuda_stream_pool::{Context, DeviceBuffer, Error, ErrorCode, Priority, PriorityRange};
-use pausing::PausingDriver;
+use cuda_stream_pool::{DeviceBuffer, Error, ErrorCode, Priority, PriorityRange};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 const HANG: Duration = Duration::from_secs(3);
-
-fn setup() -> (Arc<SimDriver>, Context) {
-    let sim = Arc::new(SimDriver::new());
-    let ctx = Context::primary(sim.clone(), 0).expect("primary context");
-    (sim, ctx)
-}
-
-fn pausing() -> (Arc<PausingDriver>, Arc<SimDriver>, Context) {
-    let pd = PausingDriver::new(Arc::new(SimDriver::new()));
-    let ctx = Context::primary(pd.clone(), 0).expect("primary context");
-    let sim = pd.sim().clone();
-    (pd, sim, ctx)
-}
-
-fn fmt_calls(calls: &[Call]) -> String {
-    calls
-        .iter()
-        .map(|c| {
-            format!(
-                "{}{}{}{}{}",
-                c.name,
-                c.stream
-                    .map(|s| format!(" s={:#x}", s.0))
-                    .unwrap_or_default(),
-                c.event
-                    .map(|e| format!(" e={:#x}", e.0))
-                    .unwrap_or_default(),
-                c.ptr.map(|p| format!(" p={:#x}", p.0)).unwrap_or_default(),
-                if c.ok { "" } else { " FAILED" }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-/// The stream of the last successful `cuEventRecord` of `event` before index `before`.
-fn recorded_on(
-    calls: &[Call],
-    event: cuda_stream_pool::driver::Event,
-    before: usize,
-) -> Option<Stream> {
-    calls[..before]
-        .iter()
-        .rev()
-        .find(|c| c.name == "cuEventRecord" && c.ok && c.event == Some(event))
-        .and_then(|c| c.stream)
-}
 
 /// `cuStreamWaitEvent`s on `capturing` (from index `since`) for events recorded on another
 /// stream: on the GPU, CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and the capture is invalidated.

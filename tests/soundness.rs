@@ -6,9 +6,13 @@
 //! call without `unsafe`) are pinned by `compile_fail` doctests in the crate, and here by a
 //! run-time probe of the auto traits where that applies.
 
+#[path = "common/calls.rs"]
+mod calls;
 mod common;
 #[path = "common/pausing.rs"]
 mod pausing;
+
+use calls::{fmt_calls, pausing, recorded_on, setup};
 
 use common::ForeignCapture;
 use cuda_stream_pool::driver::sim::Call;
@@ -18,59 +22,11 @@ use cuda_stream_pool::{
     CaptureGuard, CaptureModeGuard, Context, DeviceBuffer, ErrorCode, OwnedStream, Priority,
     MAX_IDLE,
 };
-use pausing::PausingDriver;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
-
-fn setup() -> (Arc<SimDriver>, Context) {
-    let sim = Arc::new(SimDriver::new());
-    let ctx = Context::primary(sim.clone(), 0).expect("primary context");
-    (sim, ctx)
-}
-
-fn pausing() -> (Arc<PausingDriver>, Arc<SimDriver>, Context) {
-    let pd = PausingDriver::new(Arc::new(SimDriver::new()));
-    let ctx = Context::primary(pd.clone(), 0).expect("primary context");
-    let sim = pd.sim().clone();
-    (pd, sim, ctx)
-}
-
-fn fmt_calls(calls: &[Call]) -> String {
-    calls
-        .iter()
-        .map(|c| {
-            format!(
-                "{}{}{}{}{}",
-                c.name,
-                c.stream
-                    .map(|s| format!(" s={:#x}", s.0))
-                    .unwrap_or_default(),
-                c.event
-                    .map(|e| format!(" e={:#x}", e.0))
-                    .unwrap_or_default(),
-                c.ptr.map(|p| format!(" p={:#x}", p.0)).unwrap_or_default(),
-                if c.ok { "" } else { " FAILED" }
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-/// The stream of the last successful `cuEventRecord` of `event` before index `before`.
-fn recorded_on(
-    calls: &[Call],
-    event: cuda_stream_pool::driver::Event,
-    before: usize,
-) -> Option<Stream> {
-    calls[..before]
-        .iter()
-        .rev()
-        .find(|c| c.name == "cuEventRecord" && c.ok && c.event == Some(event))
-        .and_then(|c| c.stream)
-}
 
 /// Whether, before index `free_at`, some successful `cuStreamWaitEvent` on `waiter` waited for an
 /// event whose record was enqueued on `on` at or after index `since`.
