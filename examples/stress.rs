@@ -19,7 +19,10 @@ const THREADS: u32 = 16;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let per_thread: u32 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(300);
-    let sim = args.iter().any(|a| a == "sim").then(|| Arc::new(SimDriver::new()));
+    let sim = args
+        .iter()
+        .any(|a| a == "sim")
+        .then(|| Arc::new(SimDriver::new()));
     let d: Arc<dyn driver::Driver> = match &sim {
         Some(s) => s.clone(),
         None => driver::load(Choice::Auto)?.0,
