@@ -146,7 +146,7 @@ struct State {
     /// Freed ranges: base -> (bytes, the free's description).
     freed: BTreeMap<u64, (u64, String)>,
     /// The host-function worker, started on first use.
-    host_tx: Option<std::sync::mpsc::Sender<HostJob>>,
+    host: Option<streams::HostWorker>,
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
@@ -182,6 +182,25 @@ pub struct SimDriver {
     /// Driver calls made from host functions (recorded without the state lock, which a graph's
     /// host node runs under).
     host_calls: Mutex<Vec<String>>,
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        // Ends the host-function thread and waits for it (unless this is that thread: the last
+        // reference dropped by a host function), so that no thread outlives the simulation.
+        let worker = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .host
+            .take();
+        if let Some(w) = worker {
+            drop(w.tx);
+            if w.thread.thread().id() != std::thread::current().id() {
+                let _ = w.thread.join();
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -254,7 +273,7 @@ impl SimDriver {
                 host_vc: Vc::default(),
                 host_version: 0,
                 freed: BTreeMap::new(),
-                host_tx: None,
+                host: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
             }),

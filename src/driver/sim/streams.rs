@@ -187,19 +187,26 @@ pub(super) fn run_host_fn(f: HostFn) {
 /// A job of the host-function worker thread.
 pub(super) type HostJob = Box<dyn FnOnce() + Send + 'static>;
 
-/// Starts the single host-function worker thread: jobs run one at a time, in send order; the
-/// thread ends when the sender is dropped (with the simulation).
-pub(super) fn host_worker() -> mpsc::Sender<HostJob> {
+/// The single host-function worker thread: jobs run one at a time, in send order; the thread
+/// ends when the sender is dropped, and the simulation's drop joins it.
+pub(super) struct HostWorker {
+    pub(super) tx: mpsc::Sender<HostJob>,
+    pub(super) thread: std::thread::JoinHandle<()>,
+}
+
+/// Starts the worker; `None` when no thread can be started (host functions then run on the
+/// thread that completes them).
+pub(super) fn host_worker() -> Option<HostWorker> {
     let (tx, rx) = mpsc::channel::<HostJob>();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("sim-host-fn".into())
         .spawn(move || {
             while let Ok(job) = rx.recv() {
                 job();
             }
         })
-        .expect("spawn the simulation's host-function thread");
-    tx
+        .ok()?;
+    Some(HostWorker { tx, thread })
 }
 
 impl SimDriver {
@@ -326,13 +333,19 @@ impl SimDriver {
                         if let Some(f) = f.take() {
                             let done = done.clone();
                             let cv = self.cv.clone();
-                            let tx = st.host_tx.get_or_insert_with(host_worker);
+                            if st.host.is_none() {
+                                st.host = host_worker();
+                            }
                             let job: HostJob = Box::new(move || {
                                 run_host_fn(f);
                                 done.store(true, Ordering::Release);
                                 cv.notify_all();
                             });
-                            if let Err(mpsc::SendError(job)) = tx.send(job) {
+                            let unsent = match st.host.as_ref() {
+                                Some(w) => w.tx.send(job).err().map(|e| e.0),
+                                None => Some(job),
+                            };
+                            if let Some(job) = unsent {
                                 job();
                             }
                         }
