@@ -496,11 +496,13 @@ impl Pool {
     /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
-        let _relaxed = CaptureModeGuard::relaxed(driver).ok();
+        // Without relaxed mode a query could invalidate a capture: then nothing is queried, and
+        // every retired stream counts as busy.
+        let relaxed = CaptureModeGuard::relaxed(driver).ok();
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
-                if is_idle(driver, slot, &slot.lock()) {
+                if relaxed.is_some() && is_idle(driver, slot, &slot.lock()) {
                     idle += 1;
                 } else {
                     busy += 1;

@@ -23,6 +23,6 @@ proptest! {
 
     #[test]
     fn pool_model_invariants_hold(bytes in proptest::collection::vec(any::<u8>(), 0..800)) {
-        model::run(&bytes);
+        model::run_with_leaks(&bytes);
     }
 }

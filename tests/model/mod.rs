@@ -15,7 +15,7 @@
 mod sched;
 
 use arbitrary::Unstructured;
-use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::driver::{CaptureStatus, Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{
     CaptureGuard, Context, DeviceBuffer, Error, ErrorCode, Graph, GraphExec, OwnedStream, Owner,
@@ -97,6 +97,9 @@ pub enum Op {
         keep: bool,
     },
     DropGuard(usize),
+    /// Begins a capture of an owner's stream, leaks the guard (`mem::forget`) and drops the
+    /// owner: the stream goes back to the pool still captured, and must never be handed out.
+    LeakCapture(usize),
     LaunchExec {
         exec: usize,
         holder: usize,
@@ -148,12 +151,16 @@ pub enum WOp {
 
 const CODES: [u32; 5] = [1, 2, 400, 700, 999];
 
-/// Decodes operations until the bytes run out (at most `max` of them).
-pub fn decode(bytes: &[u8], max: usize) -> Vec<Op> {
+/// Decodes operations until the bytes run out (at most `max` of them). With `leaks`, the
+/// operations include [`Op::LeakCapture`], which leaks the whole context by design (the fuzzer,
+/// whose leak checker would report that, leaves it out).
+pub fn decode(bytes: &[u8], max: usize, leaks: bool) -> Vec<Op> {
     let mut u = Unstructured::new(bytes);
     let mut ops = Vec::new();
     while !u.is_empty() && ops.len() < max {
-        let Ok(op) = decode_one(&mut u) else { break };
+        let Ok(op) = decode_one(&mut u, leaks) else {
+            break;
+        };
         ops.push(op);
     }
     ops
@@ -182,7 +189,7 @@ fn decode_wop(u: &mut Unstructured<'_>) -> arbitrary::Result<WOp> {
     })
 }
 
-fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
+fn decode_one(u: &mut Unstructured<'_>, leaks: bool) -> arbitrary::Result<Op> {
     Ok(match u.int_in_range(0..=31u8)? {
         0 | 1 => Op::NewOwner,
         2 => Op::DropOwner(idx(u)?),
@@ -259,6 +266,7 @@ fn decode_one(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
         26 => Op::DropExec(idx(u)?),
         27 => Op::DropOwnerElsewhere(idx(u)?),
         28 => Op::DropBufferElsewhere(idx(u)?),
+        29 if leaks && u.ratio(1u8, 16u8)? => Op::LeakCapture(idx(u)?),
         _ => {
             let n = u.int_in_range(2..=3usize)?;
             let mut workers = Vec::with_capacity(n);
@@ -370,6 +378,8 @@ pub struct Model {
     guards: Vec<Capture>,
     execs: Vec<Arc<GraphExec>>,
     steps: usize,
+    /// Raw streams left captured by leaked guards (kept by the pool, never handed out).
+    leaked: Vec<u64>,
     next_owner: u64,
     /// (owner id, raw stream) pairs seen held; a new pair is a hand-over.
     held: HashSet<(u64, u64)>,
@@ -422,6 +432,7 @@ impl Model {
             guards: Vec::new(),
             execs: Vec::new(),
             steps: 0,
+            leaked: Vec::new(),
             next_owner: 0,
             held: HashSet::new(),
             gens: HashMap::new(),
@@ -831,6 +842,24 @@ impl Model {
                     assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
                 }
             }
+            &Op::LeakCapture(i) => {
+                if let Some(i) = pick(&self.owners, i) {
+                    let (id, o) = self.owners.swap_remove(i);
+                    match Rc::try_unwrap(o) {
+                        Ok(o) => {
+                            if let Ok(s) = o.stream() {
+                                let raw = s.raw().0;
+                                if let Ok(g) = s.begin_capture() {
+                                    std::mem::forget(g);
+                                    self.leaked.push(raw);
+                                }
+                            }
+                            drop(o);
+                        }
+                        Err(o) => self.owners.push((id, o)),
+                    }
+                }
+            }
             &Op::LaunchExec { exec, holder } => {
                 if let (Some(e), Some(h)) = (pick(&self.execs, exec), self.holder(holder)) {
                     if let Some(s) = h.stream() {
@@ -964,6 +993,20 @@ impl Model {
                 );
             }
         }
+        for raw in &self.leaked {
+            let s = cuda_stream_pool::driver::Stream(*raw);
+            assert!(
+                !seen.contains(&s),
+                "a stream captured by a leaked guard was handed out"
+            );
+            // SAFETY: a stream captured by a leaked guard is never destroyed (the context is
+            // leaked with the guard).
+            let status = unsafe { self.drv.stream_is_capturing(s) };
+            assert!(
+                matches!(status, Ok(CaptureStatus::Active) | Err(_)),
+                "the crate invalidated a capture of a leaked guard: {status:?}"
+            );
+        }
         let st = self.ctx().stats();
         assert_eq!(st.live, st.in_use + st.idle + st.retired_busy, "{st:?}");
         assert_eq!(
@@ -1000,6 +1043,14 @@ impl Model {
         self.owned.clear();
         self.kernels = None;
         self.ctx = None;
+        if !self.leaked.is_empty() {
+            // A leaked capture guard holds a reference to the context: the whole state leaks
+            // (never torn down, so never freed or destroyed under the capture). Only misuse is
+            // checked.
+            let misuse = self.sim.misuse();
+            assert!(misuse.is_empty(), "misuse: {misuse:?}");
+            return;
+        }
         // Objects dropped inside host functions are torn down on threads of their own: give
         // them a moment.
         let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -1122,11 +1173,19 @@ impl Default for Model {
     }
 }
 
-/// Runs a whole input: decode, apply, teardown.
+/// Runs a whole input: decode, apply, teardown (without leaked captures: the fuzzer's view).
 pub fn run(bytes: &[u8]) {
-    let ops = decode(bytes, 400);
+    run_ops(&decode(bytes, 400, false));
+}
+
+/// Runs a whole input with every operation, leaked captures included (the property test's view).
+pub fn run_with_leaks(bytes: &[u8]) {
+    run_ops(&decode(bytes, 400, true));
+}
+
+fn run_ops(ops: &[Op]) {
     let mut m = Model::new();
-    for op in &ops {
+    for op in ops {
         m.step(op);
     }
     m.teardown();
