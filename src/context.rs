@@ -5,6 +5,7 @@
 
 use crate::driver::{
     self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
+    Stream,
 };
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{destroy_idle, Pool, PoolStats, Slot};
@@ -131,6 +132,20 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// A stream whose holder is gone while its loan is out: its pool (`None` for an
+/// `OwnedStream`'s) and its slot.
+type Parked = (Option<Arc<Pool>>, Arc<Slot>);
+
+/// What became of a lent stream whose holder is gone.
+enum LoanEnd {
+    /// The other crate holds no handle of it any more and it is not capturing: usable again.
+    Returned,
+    /// A handle of it is still out: kept aside, retried by later flushes.
+    Out,
+    /// Returned but left capturing by the other crate: never used again (leaked).
+    Stuck,
+}
+
 /// A free that could not be enqueued yet: its last stream is capturing, or the driver refused
 /// the ordered free. Retried (ordered) by [`CtxInner::flush_deferred`].
 struct Deferred {
@@ -161,6 +176,10 @@ pub(crate) struct CtxInner {
     /// Streams of dropped `OwnedStream`s that could not be destroyed yet (their work did not
     /// complete, or the driver refused): destroyed by later flushes once idle, or at teardown.
     orphans: Mutex<Vec<Arc<Slot>>>,
+    /// Streams whose holder is gone while a handle lent to another crate (cudarc) still lives:
+    /// kept out of the pool, never destroyed, until the loan is returned (the pool of a pooled
+    /// stream, `None` for an `OwnedStream`'s).
+    lent: Mutex<Vec<Parked>>,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
@@ -301,6 +320,7 @@ impl Context {
                 deferred: Mutex::new(Vec::new()),
                 deferred_len: AtomicUsize::new(0),
                 orphans: Mutex::new(Vec::new()),
+                lent: Mutex::new(Vec::new()),
                 _keep_alive: keep_alive,
                 torn_down: false,
             }),
@@ -541,12 +561,86 @@ impl CtxInner {
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
     /// host-function thread: there it only puts the stream back, with no driver call).
-    pub(crate) fn release(&self, pool: &Pool, slot: Arc<Slot>) {
+    pub(crate) fn release(&self, pool: &Arc<Pool>, slot: Arc<Slot>) {
         let driver_ok = !on_host_fn_thread();
+        if slot.is_lent() {
+            match self.end_loan(&slot, driver_ok) {
+                LoanEnd::Returned => {}
+                LoanEnd::Out => return self.park(Some(pool.clone()), slot),
+                LoanEnd::Stuck => return,
+            }
+        }
         pool.release(&*self.driver, slot, driver_ok);
         if driver_ok {
             self.flush_deferred();
         }
+    }
+
+    /// What keeps an adopted context alive (see [`Context::adopt`]).
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn keep_alive(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        self._keep_alive.as_deref()
+    }
+
+    /// Orders later work on stream `after` after the work enqueued so far on `before` (raw
+    /// streams, e.g. another crate's).
+    ///
+    /// # Safety
+    /// As [`CtxInner::order`].
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) unsafe fn order_raw(&self, before: Stream, after: Stream) -> Result<()> {
+        let e = self.take_event()?;
+        // SAFETY: the event is ours; the caller keeps both streams live and not capturing.
+        let r = unsafe {
+            self.driver
+                .event_record(e, before)
+                .and_then(|_| self.driver.stream_wait_event(after, e))
+        };
+        self.give_event(e);
+        r
+    }
+
+    /// Whether `slot` is capturing: a capture guard of the crate captures it, or (for a stream
+    /// lent to another crate, which can begin captures behind the crate's back) the driver says
+    /// so. A failed query counts as capturing: the caller then refuses or defers, which is safe.
+    ///
+    /// # Safety
+    /// The stream must be live (held, or its generation current under its lock).
+    pub(crate) unsafe fn capturing(&self, slot: &Slot) -> bool {
+        if slot.is_capturing() {
+            return true;
+        }
+        if !slot.is_lent() {
+            return false;
+        }
+        // SAFETY: the caller keeps the stream live; `cuStreamIsCapturing` is allowed in every
+        // capture mode and invalidates nothing.
+        !matches!(
+            unsafe { self.driver.stream_is_capturing(slot.raw) },
+            Ok(driver::CaptureStatus::None)
+        )
+    }
+
+    /// Ends the loan of a stream whose holder is gone, if the other crate holds none of its
+    /// handles any more. A stream left capturing by the other crate is never used again (nor
+    /// destroyed: ending or destroying it could invalidate streams joined to that capture).
+    fn end_loan(&self, slot: &Slot, driver_ok: bool) -> LoanEnd {
+        if !driver_ok || !slot.loan_returned() {
+            // (On a host-function thread the capture check below is not possible: kept.)
+            return LoanEnd::Out;
+        }
+        // SAFETY: the stream is live: its holder is gone but nothing destroyed it.
+        match unsafe { self.driver.stream_is_capturing(slot.raw) } {
+            Ok(driver::CaptureStatus::None) => LoanEnd::Returned,
+            _ => LoanEnd::Stuck,
+        }
+    }
+
+    /// Keeps a stream whose loan is still out, for a later flush.
+    fn park(&self, pool: Option<Arc<Pool>>, slot: Arc<Slot>) {
+        let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+        list.push((pool, slot));
+        self.deferred_len.fetch_add(1, Ordering::AcqRel);
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
@@ -630,7 +724,8 @@ impl CtxInner {
             // stream lives as long as this state and is never captured.
             return unsafe { self.free_on(ptr, &self.disposal) }.is_ok();
         }
-        if st.capturing {
+        // SAFETY: the stream is live (generation current, under its lock).
+        if st.capturing || unsafe { self.capturing(slot) } {
             return false;
         }
         // SAFETY: the stream is live (generation current, under its lock) and not capturing;
@@ -665,6 +760,13 @@ impl CtxInner {
     /// Destroys a dropped `OwnedStream`'s stream once its work has completed, or keeps it for
     /// a later flush (never destroyed under its work).
     pub(crate) fn destroy_or_keep(&self, slot: Arc<Slot>, wait: bool) {
+        if slot.is_lent() {
+            match self.end_loan(&slot, !on_host_fn_thread()) {
+                LoanEnd::Returned => {}
+                LoanEnd::Out => return self.park(None, slot),
+                LoanEnd::Stuck => return,
+            }
+        }
         let done = CaptureModeGuard::relaxed(&*self.driver)
             .ok()
             .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
@@ -709,6 +811,17 @@ impl CtxInner {
         for slot in orphans {
             self.destroy_or_keep(slot, wait);
         }
+        let lent = {
+            let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
+            std::mem::take(&mut *list)
+        };
+        for (pool, slot) in lent {
+            match pool {
+                Some(pool) => self.release(&pool, slot),
+                None => self.destroy_or_keep(slot, wait),
+            }
+        }
     }
 }
 
@@ -743,6 +856,9 @@ impl Drop for CtxInner {
                 deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
                 orphans: Mutex::new(std::mem::take(
                     self.orphans.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
+                lent: Mutex::new(std::mem::take(
+                    self.lent.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,

@@ -160,7 +160,7 @@ impl Kernels {
         let ci = &self.inner.ctx.inner;
         // The function belongs to this context's module: launch with the context current.
         ci.bind()?;
-        if s.slot.is_capturing() {
+        if s.capturing_now() {
             // The graph will launch the kernel: it keeps the module loaded.
             let m: CapturedUse = self.inner.clone();
             s.slot.lock().add_captured(m);

@@ -124,6 +124,9 @@
 
 mod capture;
 mod context;
+#[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
+pub mod cudarc;
 pub mod driver;
 mod error;
 #[cfg(feature = "kernels")]
@@ -134,6 +137,8 @@ mod owner;
 mod pool;
 mod stream;
 
+#[cfg(feature = "cudarc")]
+pub use self::cudarc::CudarcUse;
 pub use capture::{CaptureGuard, Graph, GraphExec};
 pub use context::{Context, Priority, PriorityRange};
 pub use driver::CaptureModeGuard;

@@ -157,12 +157,14 @@ impl BufCore {
             new: None,
         };
         let (slot, gen) = (&stream.slot, stream.gen);
-        let capturing = slot.is_capturing();
+        let capturing = stream.capturing_now();
         if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
             let prev = u.last.slot.clone();
             let st = prev.lock();
+            // SAFETY (capturing): the previous stream is live (generation current, under its
+            // lock).
             if st.is_live(u.last.gen) {
-                if st.capturing {
+                if st.capturing || unsafe { self.ctx.inner.capturing(&prev) } {
                     return Err(Error::CaptureInProgress(
                         "the buffer's last use is in a capture in progress on another stream; \
                          end the capture before using the buffer elsewhere"

@@ -198,7 +198,8 @@ impl Owner {
             return Ok(());
         }
         if let Some(prev) = inner.find(inner.current).map(|h| h.slot.clone()) {
-            if prev.is_capturing() {
+            // SAFETY: held by this owner: live.
+            if unsafe { self.ctx.inner.capturing(&prev) } {
                 return Err(Error::CaptureInProgress(format!(
                     "cannot change priority from {} to {value} while the owner's stream is \
                      capturing",
@@ -206,7 +207,8 @@ impl Owner {
                 )));
             }
             let next = self.held_or_acquire(&mut inner, value)?.slot.clone();
-            if next.is_capturing() {
+            // SAFETY: held by this owner: live.
+            if unsafe { self.ctx.inner.capturing(&next) } {
                 // A reference taken while it was selected began a capture of it: waiting on
                 // outside work would invalidate that capture.
                 return Err(Error::CaptureInProgress(format!(

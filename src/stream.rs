@@ -96,6 +96,53 @@ impl<'a> StreamRef<'a> {
         self.slot.raw
     }
 
+    /// Lends the stream to another crate as a shared handle of that crate's type, made by `wrap`
+    /// from the raw stream (cudarc's is [`StreamRef::cudarc_stream`]). The handle may outlive this
+    /// reference and its holder: while anyone holds a clone of the returned `Arc` (or of one
+    /// made from it), the stream is neither handed to another owner nor destroyed; once the last
+    /// clone is gone, a later release, allocation, free or [`Context::trim`] returns it to the
+    /// pool (or destroys an [`OwnedStream`]'s), after its work has completed, as usual. Every
+    /// call on the same stream returns the same handle. While lent, the crate asks the driver
+    /// (not its own bookkeeping) whether the stream is capturing, so a capture that the other
+    /// crate begins on it is never joined or invalidated by the crate; a stream the other crate
+    /// leaves capturing is never used again.
+    ///
+    /// `wrap` runs at most once per loan, under a lock of the stream: it must not call back
+    /// into the crate for this stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use std::sync::Arc;
+    /// struct Foreign(driver::Stream);                 // another crate's stream handle
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let h = s.lend(|raw| Ok(Arc::new(Foreign(raw)))).unwrap();
+    /// assert_eq!(h.0, s.raw());
+    /// drop(s);
+    /// drop(owner);                                   // the stream stays out of the pool
+    /// assert_eq!(ctx.stats().in_use, 1);
+    /// drop(h);                                       // the loan ends
+    /// ctx.trim().unwrap();                           // a flush returns it
+    /// assert_eq!(ctx.stats().in_use, 0);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the stream is already lent as a handle of another type;
+    /// `wrap`'s error.
+    pub fn lend<H: Any + Send + Sync>(
+        &self,
+        wrap: impl FnOnce(driver::Stream) -> Result<Arc<H>>,
+    ) -> Result<Arc<H>> {
+        let raw = self.slot.raw;
+        let loan = self
+            .slot
+            .lend(|| wrap(raw).map(|h| h as crate::pool::Loan))?;
+        loan.downcast::<H>()
+            .map_err(|_| Error::invalid("the stream is already lent as a handle of another type"))
+    }
+
     /// The context.
     pub fn context(&self) -> &Context {
         &self.ctx
@@ -128,8 +175,15 @@ impl<'a> StreamRef<'a> {
         Arc::ptr_eq(&self.slot, &other.slot)
     }
 
+    /// Whether the stream is capturing (a capture of the crate, or, for a stream lent to
+    /// cudarc, any capture the driver reports).
+    pub(crate) fn capturing_now(&self) -> bool {
+        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        unsafe { self.ctx.inner.capturing(&self.slot) }
+    }
+
     pub(crate) fn not_capturing(&self, what: &str) -> Result<()> {
-        if self.slot.is_capturing() {
+        if self.capturing_now() {
             return Err(Error::CaptureInProgress(format!(
                 "{what} is not possible while the stream is capturing"
             )));

@@ -13,6 +13,7 @@ pub use cuda::CudaDriver;
 pub use sim::{SimConfig, SimDriver};
 
 use crate::error::Result;
+use cuda_stream_pool_sys::ffi;
 use std::ffi::CStr;
 use std::os::raw::c_void;
 use std::sync::Arc;
@@ -52,6 +53,47 @@ handle! {
     Module,
     /// A kernel (`CUfunction`).
     Function,
+}
+
+/// Conversions between the pointer-typed handles and the raw types of `cuda-stream-pool-sys`
+/// (and, with the `cudarc` feature, cudarc's `driver::sys`), without `as usize as u64`.
+/// Converting is safe; using the result with the driver is what needs care.
+macro_rules! ptr_handle {
+    ($($name:ident => $sys:ident),* $(,)?) => {$(
+        impl From<ffi::$sys> for $name {
+            fn from(p: ffi::$sys) -> $name {
+                $name(p as usize as u64)
+            }
+        }
+        impl From<$name> for ffi::$sys {
+            fn from(h: $name) -> ffi::$sys {
+                h.0 as usize as ffi::$sys
+            }
+        }
+        #[cfg(feature = "cudarc")]
+        impl From<cudarc::driver::sys::$sys> for $name {
+            fn from(p: cudarc::driver::sys::$sys) -> $name {
+                $name(p as usize as u64)
+            }
+        }
+        #[cfg(feature = "cudarc")]
+        impl From<$name> for cudarc::driver::sys::$sys {
+            fn from(h: $name) -> cudarc::driver::sys::$sys {
+                h.0 as usize as cudarc::driver::sys::$sys
+            }
+        }
+    )*};
+}
+
+ptr_handle! {
+    Context => CUcontext,
+    Stream => CUstream,
+    Event => CUevent,
+    MemPool => CUmemoryPool,
+    Graph => CUgraph,
+    GraphExec => CUgraphExec,
+    Module => CUmodule,
+    Function => CUfunction,
 }
 
 /// Stream creation flags.
