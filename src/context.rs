@@ -80,6 +80,56 @@ impl PriorityRange {
     }
 }
 
+/// Where the crate's [`crate::DeviceBuffer`]s allocate from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemPoolChoice {
+    /// A stream-ordered pool that the crate creates for the context (`cuMemPoolCreate`) and
+    /// destroys with it, keeping this many bytes of freed memory cached across
+    /// synchronizations. The device's default pool, which cudarc and other libraries use, is
+    /// left as it is.
+    Own {
+        /// The pool's release threshold (`u64::MAX` keeps all freed memory cached).
+        release_threshold: u64,
+    },
+    /// The device's default pool, used as configured; the crate changes none of its attributes.
+    DeviceDefault,
+}
+
+impl Default for MemPoolChoice {
+    /// The crate's own pool, keeping freed memory cached (`u64::MAX`).
+    fn default() -> Self {
+        MemPoolChoice::Own {
+            release_threshold: u64::MAX,
+        }
+    }
+}
+
+/// Options of a context's state ([`Context::primary_with`], [`Context::adopt_with`]).
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, ContextOptions, MemPoolChoice};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let opts = ContextOptions::default().mem_pool(MemPoolChoice::DeviceDefault);
+/// let ctx = Context::primary_with(drv.clone(), 0, &opts).unwrap();
+/// assert_eq!(ctx.mem_pool(), drv.device_default_mem_pool(ctx.device()).unwrap());
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ContextOptions {
+    /// Where buffers allocate from (default: the crate's own pool).
+    pub mem_pool: MemPoolChoice,
+}
+
+impl ContextOptions {
+    /// Sets where buffers allocate from.
+    #[must_use]
+    pub fn mem_pool(mut self, choice: MemPoolChoice) -> Self {
+        self.mem_pool = choice;
+        self
+    }
+}
+
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
@@ -168,6 +218,8 @@ pub(crate) struct CtxInner {
     other_pools: RwLock<Vec<Arc<Pool>>>,
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
+    /// Whether `mem_pool` was created by the crate (destroyed at teardown).
+    own_pool: bool,
     events: Mutex<Vec<Event>>,
     deferred: Mutex<Vec<Deferred>>,
     /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every
@@ -218,10 +270,23 @@ impl Context {
     /// The driver's error when it cannot initialise, find the device, retain its primary
     /// context or create the disposal stream.
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
+        Self::primary_with(driver, ordinal, &ContextOptions::default())
+    }
+
+    /// [`Context::primary`] with options.
+    ///
+    /// # Errors
+    /// As [`Context::primary`]; the driver's error when the crate's memory pool cannot be
+    /// created ([`MemPoolChoice::Own`]).
+    pub fn primary_with(
+        driver: Arc<dyn Driver>,
+        ordinal: i32,
+        options: &ContextOptions,
+    ) -> Result<Context> {
         driver.init()?;
         let device = driver.device_get(ordinal)?;
         let raw = driver.primary_ctx_retain(device)?;
-        match Self::build(driver.clone(), raw, device, true, None) {
+        match Self::build(driver.clone(), raw, device, true, None, options) {
             Ok(c) => Ok(c),
             Err(e) => {
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
@@ -261,6 +326,23 @@ impl Context {
         raw: driver::Context,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Context> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::adopt_with(driver, raw, keep_alive, &ContextOptions::default()) }
+    }
+
+    /// [`Context::adopt`] with options.
+    ///
+    /// # Safety
+    /// As [`Context::adopt`].
+    ///
+    /// # Errors
+    /// As [`Context::adopt`] and [`Context::primary_with`].
+    pub unsafe fn adopt_with(
+        driver: Arc<dyn Driver>,
+        raw: driver::Context,
+        keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+        options: &ContextOptions,
+    ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
         }
@@ -275,7 +357,7 @@ impl Context {
                 return Err(e);
             }
         };
-        Self::build(driver, raw, device, false, keep_alive)
+        Self::build(driver, raw, device, false, keep_alive, options)
     }
 
     fn build(
@@ -284,6 +366,7 @@ impl Context {
         device: Device,
         primary: bool,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+        options: &ContextOptions,
     ) -> Result<Context> {
         // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
         unsafe { driver.ctx_set_current(raw) }?;
@@ -294,14 +377,36 @@ impl Context {
                  {greatest} (greatest)"
             )));
         }
-        let mem_pool = driver.device_default_mem_pool(device)?;
-        // Keep freed memory cached across synchronizations (the default threshold, 0, returns it
-        // to the device at every synchronization).
-        // SAFETY: the device's default pool, just returned by the driver.
-        unsafe {
-            driver.mem_pool_set_attribute(mem_pool, MemPoolAttr::ReleaseThreshold, u64::MAX)
-        }?;
-        let disposal = driver.stream_create(stream_flags::NON_BLOCKING, 0)?;
+        let (mem_pool, own_pool) = match options.mem_pool {
+            MemPoolChoice::DeviceDefault => (driver.device_default_mem_pool(device)?, false),
+            MemPoolChoice::Own { release_threshold } => {
+                let pool = driver.mem_pool_create(device)?;
+                // SAFETY: the pool was just created, and nothing allocated from it yet.
+                let set = unsafe {
+                    driver.mem_pool_set_attribute(
+                        pool,
+                        MemPoolAttr::ReleaseThreshold,
+                        release_threshold,
+                    )
+                };
+                if let Err(e) = set {
+                    // SAFETY: ours, unused, destroyed once.
+                    let _ = unsafe { driver.mem_pool_destroy(pool) };
+                    return Err(e);
+                }
+                (pool, true)
+            }
+        };
+        let disposal = match driver.stream_create(stream_flags::NON_BLOCKING, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                if own_pool {
+                    // SAFETY: ours, unused, destroyed once.
+                    let _ = unsafe { driver.mem_pool_destroy(mem_pool) };
+                }
+                return Err(e);
+            }
+        };
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
@@ -316,6 +421,7 @@ impl Context {
                 other_pools: RwLock::new(Vec::new()),
                 disposal: Arc::new(Slot::new(disposal, 0, stream_flags::NON_BLOCKING)),
                 mem_pool,
+                own_pool,
                 events: Mutex::new(Vec::new()),
                 deferred: Mutex::new(Vec::new()),
                 deferred_len: AtomicUsize::new(0),
@@ -354,13 +460,16 @@ impl Context {
         self.inner.disposal.raw
     }
 
-    /// The default memory pool of the device, as configured by the crate.
+    /// The memory pool buffers allocate from: the crate's own (the default,
+    /// [`MemPoolChoice::Own`]) or the device's default pool ([`MemPoolChoice::DeviceDefault`]).
     pub fn mem_pool(&self) -> MemPool {
         self.inner.mem_pool
     }
 
     /// Sets how many bytes of freed memory the memory pool keeps cached across synchronizations
-    /// (the crate sets `u64::MAX`, i.e. keep everything, when it creates the state).
+    /// (the crate's own pool starts at the threshold given in [`MemPoolChoice::Own`]). With
+    /// [`MemPoolChoice::DeviceDefault`] this changes the device's default pool, for every
+    /// library in the process: that is then your explicit choice.
     ///
     /// # Errors
     /// The driver's error.
@@ -847,6 +956,7 @@ impl Drop for CtxInner {
                 )),
                 disposal: self.disposal.clone(),
                 mem_pool: self.mem_pool,
+                own_pool: self.own_pool,
                 events: Mutex::new(std::mem::take(
                     self.events.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
@@ -900,6 +1010,12 @@ impl Drop for CtxInner {
         {
             // SAFETY: the cached events are ours; nothing records them any more.
             let _ = unsafe { self.driver.event_destroy(e) };
+        }
+        if self.own_pool {
+            // SAFETY: the crate's pool, destroyed once; every buffer of this state is gone, so
+            // nothing allocates from it again. The driver keeps the memory of allocations still
+            // outstanding (frees in flight, or leaked above) until they are freed.
+            let _ = unsafe { self.driver.mem_pool_destroy(self.mem_pool) };
         }
         if self.primary {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.

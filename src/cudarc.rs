@@ -20,7 +20,7 @@
 //! mode carry no events: cudarc does not order them across streams (as with its own
 //! `new_stream`); allocate them afterwards, or order them yourself.
 
-use crate::context::Context;
+use crate::context::{Context, ContextOptions};
 use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice};
 use crate::error::{Error, Result};
 use crate::memory::{BufferUse, DeviceBuffer, DeviceCopy};
@@ -61,6 +61,14 @@ impl Context {
     /// The loader's error when libcuda cannot be used; the driver's (or cudarc's, as
     /// [`Error::InvalidArgument`]) when the context cannot be adopted.
     pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
+        Self::from_cudarc_with(cu, &ContextOptions::default())
+    }
+
+    /// [`Context::from_cudarc`] with options.
+    ///
+    /// # Errors
+    /// As [`Context::from_cudarc`] and [`Context::primary_with`].
+    pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: &ContextOptions) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
         let stream = cu
             .new_stream()
@@ -72,7 +80,7 @@ impl Context {
         let raw = driver::Context::from(cu.cu_ctx());
         // SAFETY: `raw` is cudarc's live context, loaded from the same libcuda; the
         // `Arc<CudaContext>` in `keep` keeps it alive until this state's teardown is over.
-        unsafe { Context::adopt(drv, raw, Some(Box::new(keep))) }
+        unsafe { Context::adopt_with(drv, raw, Some(Box::new(keep)), options) }
     }
 
     /// The cudarc context this state was adopted from ([`Context::from_cudarc`]), if any.

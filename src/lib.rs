@@ -140,7 +140,7 @@ mod stream;
 #[cfg(feature = "cudarc")]
 pub use self::cudarc::CudarcUse;
 pub use capture::{CaptureGuard, Graph, GraphExec};
-pub use context::{Context, Priority, PriorityRange};
+pub use context::{Context, ContextOptions, MemPoolChoice, Priority, PriorityRange};
 pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
 pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};

@@ -192,6 +192,74 @@ impl CUmemPool_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemPool_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmemPool_attribute_enum as CUmemPool_attribute;
+impl CUmemAllocationType_enum {
+    pub const CU_MEM_ALLOCATION_TYPE_INVALID: CUmemAllocationType_enum = CUmemAllocationType_enum(
+        0,
+    );
+    pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType_enum = CUmemAllocationType_enum(
+        1,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationType_enum as CUmemAllocationType;
+impl CUmemAllocationHandleType_enum {
+    pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(
+        0,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationHandleType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationHandleType_enum as CUmemAllocationHandleType;
+impl CUmemLocationType_enum {
+    pub const CU_MEM_LOCATION_TYPE_INVALID: CUmemLocationType_enum = CUmemLocationType_enum(
+        0,
+    );
+    pub const CU_MEM_LOCATION_TYPE_DEVICE: CUmemLocationType_enum = CUmemLocationType_enum(
+        1,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemLocationType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemLocationType_enum as CUmemLocationType;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUmemLocation_st {
+    pub type_: CUmemLocationType,
+    pub id: ::std::os::raw::c_int,
+}
+impl Default for CUmemLocation_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemLocation = CUmemLocation_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUmemPoolProps_st {
+    pub allocType: CUmemAllocationType,
+    pub handleTypes: CUmemAllocationHandleType,
+    pub location: CUmemLocation,
+    pub win32SecurityAttributes: *mut ::std::os::raw::c_void,
+    pub reserved: [::std::os::raw::c_uchar; 64usize],
+}
+impl Default for CUmemPoolProps_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemPoolProps = CUmemPoolProps_st;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(
         1,
@@ -390,6 +458,17 @@ pub struct CudaLib {
     >,
     pub cuDeviceGetDefaultMemPool: Result<
         unsafe extern "C" fn(pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemPoolCreate: Result<
+        unsafe extern "C" fn(
+            pool: *mut CUmemoryPool,
+            poolProps: *const CUmemPoolProps,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemPoolDestroy: Result<
+        unsafe extern "C" fn(pool: CUmemoryPool) -> CUresult,
         ::libloading::Error,
     >,
     pub cuMemPoolSetAttribute: Result<
@@ -609,6 +688,8 @@ impl CudaLib {
         let cuDeviceGetDefaultMemPool = __library
             .get(b"cuDeviceGetDefaultMemPool\0")
             .map(|sym| *sym);
+        let cuMemPoolCreate = __library.get(b"cuMemPoolCreate\0").map(|sym| *sym);
+        let cuMemPoolDestroy = __library.get(b"cuMemPoolDestroy\0").map(|sym| *sym);
         let cuMemPoolSetAttribute = __library
             .get(b"cuMemPoolSetAttribute\0")
             .map(|sym| *sym);
@@ -685,6 +766,8 @@ impl CudaLib {
             cuMemAllocFromPoolAsync,
             cuMemFreeAsync,
             cuDeviceGetDefaultMemPool,
+            cuMemPoolCreate,
+            cuMemPoolDestroy,
             cuMemPoolSetAttribute,
             cuMemPoolGetAttribute,
             cuMemGetInfo_v2,
@@ -954,6 +1037,19 @@ impl CudaLib {
             .cuDeviceGetDefaultMemPool
             .as_ref()
             .expect("Expected function, got error."))(pool_out, dev)
+    }
+    pub unsafe fn cuMemPoolCreate(
+        &self,
+        pool: *mut CUmemoryPool,
+        poolProps: *const CUmemPoolProps,
+    ) -> CUresult {
+        (self
+            .cuMemPoolCreate
+            .as_ref()
+            .expect("Expected function, got error."))(pool, poolProps)
+    }
+    pub unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
+        (self.cuMemPoolDestroy.as_ref().expect("Expected function, got error."))(pool)
     }
     pub unsafe fn cuMemPoolSetAttribute(
         &self,

@@ -140,6 +140,8 @@ pub fn introduced_in(symbol: &str) -> &'static str {
         | "cuMemAllocFromPoolAsync"
         | "cuDeviceGetDefaultMemPool"
         | "cuMemPoolSetAttribute"
+        | "cuMemPoolCreate"
+        | "cuMemPoolDestroy"
         | "cuMemPoolGetAttribute" => "11.2",
         "cuGraphUpload" => "11.1",
         "cuDevicePrimaryCtxRelease_v2" => "11.0",

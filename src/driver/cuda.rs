@@ -372,6 +372,31 @@ impl Driver for CudaDriver {
         Ok(MemPool(handle(p)))
     }
 
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
+        let f = sym!(self.cuMemPoolCreate);
+        let props = ffi::CUmemPoolProps {
+            allocType: ffi::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: ffi::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: ffi::CUmemLocation {
+                type_: ffi::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev.0 as i32,
+            },
+            win32SecurityAttributes: std::ptr::null_mut(),
+            reserved: [0; 64],
+        };
+        let mut p: ffi::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: out-parameter is a live local; `props` is a fully initialised CUmemPoolProps
+        // (88 bytes, the layout every CUDA version since 11.2 accepts; see wrapper.h).
+        self.check(unsafe { f(&mut p, &props) }, "cuMemPoolCreate")?;
+        Ok(MemPool(handle(p)))
+    }
+
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()> {
+        let f = sym!(self.cuMemPoolDestroy);
+        // SAFETY: the caller's contract: a pool of ours, destroyed once.
+        self.check(unsafe { f(ptr(pool.0)) }, "cuMemPoolDestroy")
+    }
+
     unsafe fn mem_pool_set_attribute(
         &self,
         pool: MemPool,

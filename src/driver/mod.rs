@@ -341,6 +341,16 @@ pub trait Driver: Send + Sync + 'static {
     unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()>;
     /// `cuDeviceGetDefaultMemPool`.
     fn device_default_mem_pool(&self, dev: Device) -> Result<MemPool>;
+    /// `cuMemPoolCreate`: a new stream-ordered memory pool of pinned device memory on `dev`,
+    /// with the driver's default attributes (release threshold 0).
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool>;
+    /// `cuMemPoolDestroy`. Allocations still outstanding keep the pool's memory until they are
+    /// freed (the driver releases it then).
+    ///
+    /// # Safety
+    /// `pool` must be a pool made by [`Driver::mem_pool_create`], not yet destroyed, and nothing
+    /// may allocate from it afterwards.
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()>;
     /// `cuMemPoolSetAttribute` with a 64-bit value.
     ///
     /// # Safety

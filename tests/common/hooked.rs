@@ -166,6 +166,15 @@ impl<H: Hook> Driver for Hooked<H> {
         self.hook.before("cuDeviceGetDefaultMemPool");
         self.inner.device_default_mem_pool(dev)
     }
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
+        self.hook.before("cuMemPoolCreate");
+        self.inner.mem_pool_create(dev)
+    }
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()> {
+        self.hook.before("cuMemPoolDestroy");
+        // SAFETY: forwarded with the caller's contract.
+        unsafe { self.inner.mem_pool_destroy(pool) }
+    }
     unsafe fn mem_pool_set_attribute(
         &self,
         pool: MemPool,

@@ -130,7 +130,10 @@ struct State {
     execs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
     modules: HashMap<u64, ()>,
     functions: HashMap<u64, Kernel>,
-    release_threshold: u64,
+    /// Release threshold of each live pool: the default pool is `MemPool(1)`; pools made by
+    /// `cuMemPoolCreate` get the next handles.
+    pools: std::collections::BTreeMap<u64, u64>,
+    next_pool: u64,
     log: Option<Vec<Call>>,
     faults: Vec<Fault>,
     calls: u64,
@@ -262,7 +265,8 @@ impl SimDriver {
                 execs: HashMap::new(),
                 modules: HashMap::new(),
                 functions: HashMap::new(),
-                release_threshold: 0,
+                pools: [(1, 0)].into_iter().collect(),
+                next_pool: 2,
                 log: Some(Vec::new()),
                 faults: Vec::new(),
                 calls: 0,
@@ -661,7 +665,7 @@ impl Driver for SimDriver {
     ) -> Result<DevicePtr> {
         {
             let mut st = self.enter("cuMemAllocFromPoolAsync", Some(stream), None, None)?;
-            if pool.0 != 1 {
+            if !st.pools.contains_key(&pool.0) {
                 return Self::fail(
                     &mut st,
                     ErrorCode::ERROR_INVALID_VALUE,
@@ -688,6 +692,28 @@ impl Driver for SimDriver {
         Ok(MemPool(1))
     }
 
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
+        let mut st = self.enter("cuMemPoolCreate", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolCreate");
+        }
+        let h = st.next_pool;
+        st.next_pool += 1;
+        st.pools.insert(h, 0);
+        Ok(MemPool(h))
+    }
+
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()> {
+        let mut st = self.enter("cuMemPoolDestroy", None, None, None)?;
+        if pool.0 == 1 || st.pools.remove(&pool.0).is_none() {
+            st.misuse.push(format!(
+                "cuMemPoolDestroy of {pool:?}, which is not a live pool made by cuMemPoolCreate"
+            ));
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolDestroy");
+        }
+        Ok(())
+    }
+
     unsafe fn mem_pool_set_attribute(
         &self,
         pool: MemPool,
@@ -695,28 +721,28 @@ impl Driver for SimDriver {
         value: u64,
     ) -> Result<()> {
         let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
-        if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
+        if !st.pools.contains_key(&pool.0) || attr != MemPoolAttr::ReleaseThreshold {
             return Self::fail(
                 &mut st,
                 ErrorCode::ERROR_INVALID_VALUE,
                 "cuMemPoolSetAttribute",
             );
         }
-        st.release_threshold = value;
+        st.pools.insert(pool.0, value);
         Ok(())
     }
 
     unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
         let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
-        if pool.0 != 1 {
+        let Some(&threshold) = st.pools.get(&pool.0) else {
             return Self::fail(
                 &mut st,
                 ErrorCode::ERROR_INVALID_VALUE,
                 "cuMemPoolGetAttribute",
             );
-        }
+        };
         Ok(match attr {
-            MemPoolAttr::ReleaseThreshold => st.release_threshold,
+            MemPoolAttr::ReleaseThreshold => threshold,
             MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => {
                 st.counters.live_alloc_bytes
             }
