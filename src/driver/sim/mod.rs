@@ -236,7 +236,7 @@ impl SimDriver {
         SimDriver::with_config(SimConfig::default())
     }
 
-    /// A simulation with a real-time clock and the H200's latencies (the demo's model).
+    /// A simulation with a real-time clock and the default [`Latency`] costs (the demo's model).
     ///
     /// ```
     /// use cuda_stream_pool::driver::SimDriver;
