@@ -30,7 +30,7 @@ pub enum Priority {
     /// The least priority of the range (0 on the H200).
     Low,
     /// CUDA's default priority, 0 (the same stream priority as `Low` where the range starts at 0,
-    /// as on every current NVIDIA GPU).
+    /// as on every current NVIDIA GPU); the least priority for a range without 0.
     Normal,
     /// The greatest priority of the range (-5 on the H200).
     High,
@@ -57,12 +57,31 @@ pub struct PriorityRange {
 
 impl PriorityRange {
     /// Whether `p` lies in the range.
+    ///
+    /// ```
+    /// use cuda_stream_pool::PriorityRange;
+    /// let r = PriorityRange { least: 0, greatest: -5 };
+    /// assert!(r.contains(0) && r.contains(-3) && r.contains(-5));
+    /// assert!(!r.contains(1) && !r.contains(-6));
+    /// ```
     pub fn contains(&self, p: i32) -> bool {
         p <= self.least && p >= self.greatest
     }
 
     /// The number of `p`, or an error naming the range when a `Value` lies outside it (the driver
     /// would clamp it silently).
+    ///
+    /// ```
+    /// use cuda_stream_pool::{Error, Priority, PriorityRange};
+    /// let r = PriorityRange { least: 0, greatest: -5 };
+    /// assert_eq!(r.resolve(Priority::Low).unwrap(), 0);
+    /// assert_eq!(r.resolve(Priority::Normal).unwrap(), 0);
+    /// assert_eq!(r.resolve(Priority::High).unwrap(), -5);
+    /// assert!(matches!(r.resolve(Priority::Value(3)), Err(Error::InvalidArgument(_))));
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a [`Priority::Value`] outside the range.
     pub fn resolve(&self, p: Priority) -> Result<i32> {
         match p {
             Priority::Low => Ok(self.least),
@@ -265,10 +284,21 @@ impl std::fmt::Debug for Context {
 
 impl Context {
     /// The primary context of device `ordinal`, retained for as long as this state lives.
+    /// Every call makes a new state (its own pools), even for the same device.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let ctx = Context::primary(drv.clone(), 0).unwrap();
+    /// assert_eq!(ctx.device(), drv.device_get(0).unwrap());
+    /// assert!(Context::primary(drv, 1).is_err());     // the simulation has one device
+    /// ```
     ///
     /// # Errors
     /// The driver's error when it cannot initialise, find the device, retain its primary
-    /// context or create the disposal stream.
+    /// context, read its priority range or memory pool, or create the disposal stream;
+    /// [`Error::InvalidArgument`] when the driver reports an unusable priority range (reversed,
+    /// or wider than 1024).
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
         Self::primary_with(driver, ordinal, &ContextOptions::default())
     }
@@ -320,7 +350,8 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a null context; the driver's error otherwise.
+    /// [`Error::InvalidArgument`] for a null context, or an unusable priority range (as for
+    /// [`Context::primary`]); the driver's error otherwise.
     pub unsafe fn adopt(
         driver: Arc<dyn Driver>,
         raw: driver::Context,
@@ -434,21 +465,53 @@ impl Context {
     }
 
     /// The driver this context runs on.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// assert_eq!(ctx.driver().kind(), "sim");
+    /// ```
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.inner.driver
     }
 
     /// The raw context handle.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// ctx.bind().unwrap();
+    /// assert_eq!(ctx.driver().ctx_get_current().unwrap(), ctx.raw());
+    /// ```
     pub fn raw(&self) -> driver::Context {
         self.inner.raw
     }
 
     /// The device.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::DeviceAttr;
+    /// let supported = ctx.driver().device_attribute(ctx.device(), DeviceAttr::MemoryPoolsSupported);
+    /// assert_eq!(supported.unwrap(), 1);
+    /// ```
     pub fn device(&self) -> Device {
         self.inner.device
     }
 
     /// The context's stream priority range.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let r = ctx.priority_range();
+    /// assert_eq!((r.least, r.greatest), (0, -5));       // the simulation's (an H200's) range
+    /// ```
     pub fn priority_range(&self) -> PriorityRange {
         self.inner.range
     }
@@ -456,12 +519,34 @@ impl Context {
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
     /// crate frees memory whose last stream was recycled. For diagnostics: the crate alone may
     /// enqueue on it.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// assert_ne!(owner.stream().unwrap().raw(), ctx.disposal_stream());
+    /// assert_eq!(ctx.live_streams(), 2);             // the owner's and the disposal stream
+    /// ```
     pub fn disposal_stream(&self) -> driver::Stream {
         self.inner.disposal.raw
     }
 
     /// The memory pool buffers allocate from: the crate's own (the default,
     /// [`MemPoolChoice::Own`]) or the device's default pool ([`MemPoolChoice::DeviceDefault`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::MemPoolAttr;
+    /// assert_ne!(ctx.mem_pool(), ctx.driver().device_default_mem_pool(ctx.device()).unwrap());
+    /// // SAFETY: the crate's pool lives as long as the context.
+    /// let kept = unsafe {
+    ///     ctx.driver().mem_pool_get_attribute(ctx.mem_pool(), MemPoolAttr::ReleaseThreshold)
+    /// };
+    /// assert_eq!(kept.unwrap(), u64::MAX);
+    /// ```
     pub fn mem_pool(&self) -> MemPool {
         self.inner.mem_pool
     }
@@ -470,6 +555,19 @@ impl Context {
     /// (the crate's own pool starts at the threshold given in [`MemPoolChoice::Own`]). With
     /// [`MemPoolChoice::DeviceDefault`] this changes the device's default pool, for every
     /// library in the process: that is then your explicit choice.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::MemPoolAttr;
+    /// ctx.set_release_threshold(1 << 20).unwrap();
+    /// // SAFETY: the crate's pool lives as long as the context.
+    /// let kept = unsafe {
+    ///     ctx.driver().mem_pool_get_attribute(ctx.mem_pool(), MemPoolAttr::ReleaseThreshold)
+    /// };
+    /// assert_eq!(kept.unwrap(), 1 << 20);
+    /// ```
     ///
     /// # Errors
     /// The driver's error.
@@ -486,6 +584,18 @@ impl Context {
 
     /// Makes this context current on the calling thread, if it is not already.
     ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
+    /// use cuda_stream_pool::Context;
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::with_config(SimConfig { devices: 2, ..SimConfig::default() }));
+    /// let c0 = Context::primary(sim.clone(), 0).unwrap();
+    /// let c1 = Context::primary(sim.clone(), 1).unwrap();   // current now
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw());
+    /// c0.bind().unwrap();
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c0.raw());
+    /// ```
+    ///
     /// # Errors
     /// The driver's error.
     pub fn bind(&self) -> Result<()> {
@@ -493,6 +603,19 @@ impl Context {
     }
 
     /// `cuCtxSynchronize`, in relaxed capture mode (it invalidates no capture of any thread).
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::SimDriver, Context};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    /// sim.enqueue_work(sa.raw(), 1_000).unwrap();
+    /// sim.enqueue_work(sb.raw(), 2_000).unwrap();
+    /// ctx.synchronize().unwrap();                         // waits for every stream
+    /// assert!(sa.query().unwrap() && sb.query().unwrap());
+    /// ```
     ///
     /// # Errors
     /// The driver's error, e.g. a sticky error of earlier work.
@@ -525,11 +648,36 @@ impl Context {
 
     /// Streams of this context alive now: the pools' (held and retired) plus the disposal
     /// stream. Reads counters only (no driver call), so it is cheap enough to sample often.
+    /// Streams of [`crate::OwnedStream`]s are not counted.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// assert_eq!(ctx.live_streams(), 1);             // the disposal stream
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// a.stream().unwrap();
+    /// b.stream().unwrap();
+    /// assert_eq!(ctx.live_streams(), 3);
+    /// ```
     pub fn live_streams(&self) -> u64 {
         1 + self.inner.all_pools().iter().map(|p| p.live()).sum::<u64>()
     }
 
     /// Counters of the pool of one priority (non-blocking streams).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// let o = ctx.owner();
+    /// o.set_priority(Priority::High).unwrap();
+    /// o.stream().unwrap();
+    /// assert_eq!(ctx.stats_for(Priority::High).unwrap().in_use, 1);
+    /// assert_eq!(ctx.stats_for(Priority::Low).unwrap().in_use, 0);
+    /// assert!(ctx.stats_for(Priority::Value(-6)).is_err());
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a priority outside the context's range.
@@ -563,8 +711,23 @@ impl Context {
     /// Destroys every retired stream whose work has completed, and retries the frees that are
     /// still pending; returns how many streams were destroyed.
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
+    /// for o in &owners {
+    ///     o.stream().unwrap();
+    /// }
+    /// drop(owners);                                  // three idle streams in the pool
+    /// assert_eq!(ctx.trim().unwrap(), 3);
+    /// assert_eq!(ctx.stats().live, 0);
+    /// ```
+    ///
     /// # Errors
-    /// The first driver error of a destroy (the other streams are still trimmed).
+    /// The first driver error of a destroy (or of switching to relaxed capture mode). The other
+    /// streams of the pool where it happened are still trimmed; the pools after it are not, and
+    /// the count is lost.
     pub fn trim(&self) -> Result<usize> {
         self.inner.flush_deferred();
         let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;

@@ -69,7 +69,18 @@ impl std::fmt::Debug for Owner {
 }
 
 impl Owner {
-    /// A new owner at normal priority, holding no stream yet.
+    /// A new owner at normal priority, holding no stream yet (the same as [`Context::owner`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Owner};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = Owner::new(&ctx);
+    /// assert!(o.streams().is_empty());              // nothing taken before the first use
+    /// assert_eq!(o.priority(), 0);                  // normal priority
+    /// o.stream().unwrap();
+    /// assert_eq!(ctx.stats().in_use, 1);
+    /// ```
     pub fn new(ctx: &Context) -> Owner {
         Self::with_flags(ctx, stream_flags::NON_BLOCKING)
     }
@@ -100,6 +111,14 @@ impl Owner {
     }
 
     /// The context.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// assert_eq!(o.context().raw(), ctx.raw());
+    /// ```
     pub fn context(&self) -> &Context {
         &self.ctx
     }
@@ -118,10 +137,25 @@ impl Owner {
         self.inner.borrow().current
     }
 
-    /// The owner's stream at its selected priority, taken from the pool on first use.
+    /// The owner's stream at its selected priority, taken from the pool on first use (a retired
+    /// stream whose work has completed, else a new one); later calls return the same stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// assert!(s.same_stream(&o.stream().unwrap()));  // one stream per priority
+    /// drop(s);
+    /// drop(o);                                       // the stream goes back to the pool ...
+    /// let next = ctx.owner();
+    /// next.stream().unwrap();                        // ... and is handed to the next owner
+    /// assert_eq!((ctx.stats().created, ctx.stats().hits), (1, 1));
+    /// ```
     ///
     /// # Errors
-    /// The driver's error when a stream has to be created and cannot be.
+    /// The driver's error when a stream has to be taken from the pool or created and cannot be.
     pub fn stream(&self) -> Result<StreamRef<'_>> {
         let mut inner = self.inner.borrow_mut();
         let p = inner.current;
@@ -185,8 +219,9 @@ impl Owner {
     ///
     /// # Errors
     /// Changing nothing: `p` outside the context's range ([`Error::InvalidArgument`] naming the
-    /// range), or the current stream being captured ([`Error::CaptureInProgress`]); the driver's
-    /// error when the new stream cannot be made or ordered.
+    /// range), or the current stream, or the owner's stream of priority `p`, being captured
+    /// ([`Error::CaptureInProgress`]). The driver's error when the new stream cannot be made or
+    /// ordered (the priority stays as it was; a stream already taken stays with the owner).
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         let value = self.ctx.inner.range.resolve(p)?;
         self.select(value)
@@ -273,7 +308,20 @@ impl Owner {
         restored.map(|_| r)
     }
 
-    /// The streams the owner holds now: (priority, stream).
+    /// The streams the owner holds now: (priority, stream), in the order they were taken.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// let o = ctx.owner();
+    /// assert!(o.streams().is_empty());
+    /// o.stream().unwrap();
+    /// o.set_priority(Priority::High).unwrap();
+    /// let held: Vec<i32> = o.streams().iter().map(|(p, _)| *p).collect();
+    /// assert_eq!(held, vec![0, ctx.priority_range().greatest]);
+    /// ```
     pub fn streams(&self) -> Vec<(i32, StreamRef<'_>)> {
         self.inner
             .borrow()
@@ -361,6 +409,7 @@ impl Context {
     /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
     /// # let ctx = Context::primary(drv, 0).unwrap();
     /// let s = ctx.stream().unwrap();
+    /// assert!(s.same_stream(&ctx.stream().unwrap()));   // the thread's one stream
     /// s.synchronize().unwrap();
     /// ```
     ///
@@ -372,8 +421,18 @@ impl Context {
 
     /// Selects the priority of the calling thread's implicit owner (see [`Owner::set_priority`]).
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// ctx.set_priority(Priority::High).unwrap();
+    /// assert_eq!(ctx.stream().unwrap().priority(), ctx.priority_range().greatest);
+    /// assert!(ctx.set_priority(Priority::Value(1)).is_err());   // outside 0 ..= -5
+    /// ```
+    ///
     /// # Errors
-    /// As [`Owner::set_priority`].
+    /// As [`Owner::set_priority`]; [`Error::InvalidArgument`] while the thread is exiting.
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         self.with_thread_owner(|o| o.set_priority(p))?
     }

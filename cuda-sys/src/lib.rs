@@ -23,6 +23,8 @@
     non_upper_case_globals,
     dead_code,
     clippy::all,
+    clippy::missing_errors_doc,
+    clippy::missing_panics_doc,
     rustdoc::all,
     missing_docs
 )]
@@ -76,6 +78,9 @@ impl fmt::Debug for Library {
 impl Library {
     /// Opens the driver: the path in [`LIBRARY_ENV`] when set, else `libcuda.so.1`, then
     /// `libcuda.so`.
+    ///
+    /// # Errors
+    /// A [`LoadError`] listing every candidate and the loader's message for it, when none opens.
     pub fn open() -> Result<Library, LoadError> {
         let candidates: Vec<OsString> = match std::env::var_os(LIBRARY_ENV) {
             Some(p) if !p.is_empty() => vec![p],

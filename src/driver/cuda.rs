@@ -40,7 +40,22 @@ fn handle<T>(p: *mut T) -> u64 {
 }
 
 impl CudaDriver {
-    /// Opens the driver library. Does not call `cuInit`.
+    /// Opens the driver library (the path in `CUDA_STREAM_POOL_LIBCUDA` when set, else
+    /// `libcuda.so.1`, then `libcuda.so`). Does not call `cuInit`.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::{CudaDriver, Driver}, Error};
+    /// match CudaDriver::open() {
+    ///     Ok(d) => assert_eq!(d.kind(), "cuda"),
+    ///     // Without a driver library: every path tried, with the loader's reason.
+    ///     Err(Error::LibraryNotFound(e)) => assert!(!e.tried.is_empty()),
+    ///     Err(e) => panic!("{e}"),
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::LibraryNotFound`] when no candidate opens; nothing else (a missing entry point
+    /// is reported when it is first used).
     pub fn open() -> Result<CudaDriver> {
         Ok(CudaDriver {
             lib: Library::open()?,
@@ -48,6 +63,13 @@ impl CudaDriver {
     }
 
     /// The path the library was opened from.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::CudaDriver;
+    /// if let Ok(d) = CudaDriver::open() {
+    ///     assert!(!d.library_path().is_empty());     // e.g. "libcuda.so.1"
+    /// }
+    /// ```
     pub fn library_path(&self) -> &str {
         self.lib.path()
     }
@@ -79,6 +101,16 @@ impl CudaDriver {
     }
 
     /// `cuGetErrorString` for a code, when the driver knows it.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::CudaDriver, ErrorCode};
+    /// if let Ok(d) = CudaDriver::open() {
+    ///     // a description such as "out of memory", when the driver has one
+    ///     if let Some(text) = d.error_string(ErrorCode::ERROR_OUT_OF_MEMORY) {
+    ///         assert!(!text.is_empty());
+    ///     }
+    /// }
+    /// ```
     pub fn error_string(&self, code: ErrorCode) -> Option<String> {
         let f = self.lib.table().cuGetErrorString.as_ref().ok()?;
         let mut s: *const c_char = std::ptr::null();

@@ -291,7 +291,23 @@ impl SimDriver {
         st.counters.peak_device_bytes = st.counters.peak_device_bytes.max(b);
     }
 
-    /// Device memory in use: allocations plus 560 KiB per live stream.
+    /// Device memory in use: allocations plus [`STREAM_BYTES`] per live stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// use cuda_stream_pool::driver::sim::STREAM_BYTES;
+    /// let before = sim.device_memory_used();
+    /// let _b = DeviceBuffer::<u8>::alloc(&s, 4096).unwrap();
+    /// assert_eq!(sim.device_memory_used(), before + 4096);
+    /// let next = ctx.owner();
+    /// next.stream().unwrap();                        // one more stream
+    /// assert_eq!(sim.device_memory_used(), before + 4096 + STREAM_BYTES);
+    /// ```
     pub fn device_memory_used(&self) -> u64 {
         let st = self.lock();
         self.device_bytes(&st)

@@ -227,11 +227,27 @@ fn err(code: ErrorCode, call: &'static str) -> Error {
 
 impl SimDriver {
     /// A simulation with a manual clock and the H200's properties.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.init().unwrap();
+    /// assert_eq!(sim.device_name(sim.device_get(0).unwrap()).unwrap(), "Simulated H200");
+    /// assert_eq!(sim.now(), 0);                      // time moves only when a test says so
+    /// ```
     pub fn new() -> SimDriver {
         SimDriver::with_config(SimConfig::default())
     }
 
-    /// A simulation with a real-time clock and the H200's latencies (the demo's model).
+    /// A simulation with a real-time clock and the default [`Latency`] costs (the demo's model).
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::SimDriver;
+    /// let sim = SimDriver::realtime();
+    /// let t0 = sim.now();
+    /// std::thread::sleep(std::time::Duration::from_millis(1));
+    /// assert!(sim.now() > t0);                       // the clock is real time
+    /// ```
     pub fn realtime() -> SimDriver {
         SimDriver::with_config(SimConfig {
             latency: Some(Latency::default()),
@@ -240,6 +256,17 @@ impl SimDriver {
     }
 
     /// A simulation with the given configuration.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
+    /// let sim = SimDriver::with_config(SimConfig {
+    ///     devices: 2,
+    ///     priority_range: (0, -1),
+    ///     ..SimConfig::default()
+    /// });
+    /// sim.init().unwrap();
+    /// assert_eq!(sim.device_count().unwrap(), 2);
+    /// ```
     pub fn with_config(cfg: SimConfig) -> SimDriver {
         let clock = if cfg.latency.is_some() {
             Clock::Real(Instant::now())
@@ -312,7 +339,24 @@ impl SimDriver {
 
     // ---- test controls ----------------------------------------------------------------------
 
-    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks.
+    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks,
+    /// driver calls from host functions, and the memory-ordering [`SimDriver::findings`].
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let d = sim.clone();
+    /// s.launch_host_func(move || {
+    ///     let _ = d.device_count();                  // the real driver forbids this
+    /// })
+    /// .unwrap();
+    /// s.synchronize().unwrap();
+    /// assert!(sim.misuse().iter().any(|m| m.contains("driver call from a host function")));
+    /// ```
     pub fn misuse(&self) -> Vec<String> {
         let mut m = self.lock().misuse.clone();
         m.extend(
@@ -328,6 +372,24 @@ impl SimDriver {
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
     /// after free (`"use-after-free: ..."`), uninitialised reads (`"uninitialised read: ..."`)
     /// and accesses to graph-owned memory before the graph ran.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let other = ctx.owner();
+    /// let t = other.stream().unwrap();
+    /// let buf = DeviceBuffer::<u8>::zeroed(&s, 64).unwrap();
+    /// s.synchronize().unwrap();
+    /// // Two writes on two streams, nothing ordering them (the crate's `use_on` would):
+    /// sim.enqueue_access(s.raw(), buf.as_raw(), 64, true, 10).unwrap();
+    /// sim.enqueue_access(t.raw(), buf.as_raw(), 64, true, 10).unwrap();
+    /// ctx.synchronize().unwrap();
+    /// assert!(sim.findings().iter().any(|f| f.starts_with("race:")));
+    /// ```
     pub fn findings(&self) -> Vec<String> {
         self.misuse()
             .into_iter()
@@ -336,6 +398,18 @@ impl SimDriver {
     }
 
     /// Resource counters.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let c = sim.counters();
+    /// assert_eq!(c.live_streams, 2);                 // the owner's and the disposal stream
+    /// assert_eq!(c.live_contexts, 1);
+    /// ```
     pub fn counters(&self) -> SimCounters {
         self.lock().counters.clone()
     }

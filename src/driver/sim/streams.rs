@@ -477,6 +477,20 @@ impl SimDriver {
     }
 
     /// Advances the manual clock by `ns` and completes what is due. No effect on a real clock.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// sim.advance(999);
+    /// assert!(sim.is_busy(s.raw()));
+    /// sim.advance(1);
+    /// assert!(!sim.is_busy(s.raw()));
+    /// ```
     pub fn advance(&self, ns: u64) {
         if let Clock::Manual(c) = &self.clock {
             c.fetch_add(ns, Ordering::AcqRel);
@@ -486,11 +500,45 @@ impl SimDriver {
     }
 
     /// The simulated time in nanoseconds.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let t0 = sim.now();
+    /// sim.enqueue_work(s.raw(), 2_000).unwrap();
+    /// s.synchronize().unwrap();                      // the manual clock jumps to the end
+    /// assert_eq!(sim.now(), t0 + 2_000);
+    /// ```
     pub fn now(&self) -> u64 {
         self.clock.now()
     }
 
     /// Enqueues `ns` of GPU work on a stream (a stand-in for a kernel in tests).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// assert!(!s.query().unwrap());
+    /// sim.advance(1_000);
+    /// assert!(s.query().unwrap());
+    /// ```
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_INVALID_HANDLE` for a stream that does not exist (also recorded as misuse),
+    /// `CUDA_ERROR_NOT_PERMITTED` from a host function, or an injected fault.
+    ///
+    /// # Panics
+    /// With overflow checks on (debug builds), a later call panics when the work's start time
+    /// plus `ns` overflows a `u64` (e.g. `ns = u64::MAX` once the clock has moved).
     pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
         let mut st = self.enter("sim:work", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "sim:work")?;
@@ -507,6 +555,27 @@ impl SimDriver {
     /// (`write == true`) the `bytes` bytes at `ptr`: a stand-in for a kernel that touches buffer
     /// memory, so that tests and the property-test model can exercise the race detector. A write
     /// initialises the bytes (their values are left as they are).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let buf = DeviceBuffer::<u8>::alloc(&s, 16).unwrap();
+    /// sim.enqueue_access(s.raw(), buf.as_raw(), 16, false, 10).unwrap();
+    /// s.synchronize().unwrap();
+    /// assert!(sim.findings()[0].starts_with("uninitialised read"));   // never written
+    /// ```
+    ///
+    /// # Errors
+    /// As [`SimDriver::enqueue_work`]; `CUDA_ERROR_INVALID_VALUE` when the range is not inside
+    /// one live allocation (also recorded as misuse).
+    ///
+    /// # Panics
+    /// With overflow checks on (debug builds), when `ptr + bytes` overflows a `u64` and `ptr`
+    /// lies at or above a live allocation's base; and as [`SimDriver::enqueue_work`] for `ns`.
     pub fn enqueue_access(
         &self,
         stream: Stream,
@@ -533,6 +602,19 @@ impl SimDriver {
 
     /// Whether a stream has pending work, without the capture rules of `cuStreamQuery` and
     /// without logging: the tests' view from outside.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let before = sim.call_count();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// assert!(sim.is_busy(s.raw()));
+    /// assert_eq!(sim.call_count(), before + 1);      // the enqueue; `is_busy` is not a call
+    /// ```
     pub fn is_busy(&self, stream: Stream) -> bool {
         let mut st = self.lock();
         self.progress(&mut st);
@@ -542,6 +624,21 @@ impl SimDriver {
     }
 
     /// Whether a stream exists (created and not destroyed).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// use cuda_stream_pool::{OwnedStream, Priority};
+    /// let owned = OwnedStream::new(&ctx, Priority::Normal).unwrap();
+    /// let raw = owned.stream().raw();
+    /// assert!(sim.stream_exists(raw));
+    /// drop(owned);                                   // synchronized and destroyed
+    /// assert!(!sim.stream_exists(raw));
+    /// ```
     pub fn stream_exists(&self, stream: Stream) -> bool {
         self.lock().streams.contains_key(&stream.0)
     }
