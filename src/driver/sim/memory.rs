@@ -258,7 +258,12 @@ impl SimDriver {
         call: &'static str,
     ) -> Result<()> {
         let ok = match st.allocs.range(..=ptr).next_back() {
-            Some((base, a)) => !a.free_pending && ptr + bytes as u64 <= base + a.data.len() as u64,
+            Some((base, a)) => {
+                !a.free_pending
+                    && ptr
+                        .checked_add(bytes as u64)
+                        .is_some_and(|end| end <= base + a.data.len() as u64)
+            }
             None => false,
         };
         if ok {

@@ -354,7 +354,7 @@ impl SimDriver {
                         }
                         head.dur = now.saturating_sub(start);
                     }
-                    let end = start + head.dur;
+                    let end = start.saturating_add(head.dur);
                     if end > now {
                         break;
                     }
@@ -437,7 +437,7 @@ impl SimDriver {
                     match (&h.kind, h.start) {
                         (OpKind::Host { .. }, Some(_)) => host_running = true,
                         (_, Some(t)) => {
-                            let end = (t + h.dur).max(now);
+                            let end = t.saturating_add(h.dur).max(now);
                             next = Some(next.map_or(end, |n: u64| n.min(end)));
                         }
                         _ => {}
@@ -536,9 +536,7 @@ impl SimDriver {
     /// `CUDA_ERROR_INVALID_HANDLE` for a stream that does not exist (also recorded as misuse),
     /// `CUDA_ERROR_NOT_PERMITTED` from a host function, or an injected fault.
     ///
-    /// # Panics
-    /// With overflow checks on (debug builds), a later call panics when the work's start time
-    /// plus `ns` overflows a `u64` (e.g. `ns = u64::MAX` once the clock has moved).
+    /// Work that would end past the end of time (`ns = u64::MAX`) ends at `u64::MAX`.
     pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
         let mut st = self.enter("sim:work", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "sim:work")?;
@@ -573,9 +571,7 @@ impl SimDriver {
     /// As [`SimDriver::enqueue_work`]; `CUDA_ERROR_INVALID_VALUE` when the range is not inside
     /// one live allocation (also recorded as misuse).
     ///
-    /// # Panics
-    /// With overflow checks on (debug builds), when `ptr + bytes` overflows a `u64` and `ptr`
-    /// lies at or above a live allocation's base; and as [`SimDriver::enqueue_work`] for `ns`.
+    /// A range that overflows the address space is out of bounds (an error, never a panic).
     pub fn enqueue_access(
         &self,
         stream: Stream,
