@@ -123,6 +123,7 @@
 #![warn(missing_docs, missing_debug_implementations)]
 
 mod capture;
+mod completion;
 mod context;
 pub mod driver;
 mod error;
@@ -133,10 +134,11 @@ mod pool;
 mod stream;
 
 pub use capture::{CaptureGuard, Graph, GraphExec};
+pub use completion::{Completion, HostCopy};
 pub use context::{Context, Priority, PriorityRange};
 pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
 pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};
-pub use owner::{end_thread_owner, Owner};
+pub use owner::{end_thread_owner, Attached, Owner};
 pub use pool::{PoolStats, MAX_IDLE};
 pub use stream::{OwnedStream, StreamRef};
