@@ -577,7 +577,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 if stream.synchronize().is_ok() {
                     hub.return_staging(staging);
                 } else {
-                    std::mem::forget(staging);
+                    // Not returned to the free list: the block stays allocated (freed at the
+                    // context's teardown, after its streams were drained).
+                    let _ = staging;
                 }
                 Err(e)
             }
