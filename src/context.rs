@@ -255,6 +255,8 @@ pub(crate) struct CtxInner {
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
+    /// Completion futures' flags, poller and staging memory, made on first use.
+    hub: OnceLock<Arc<crate::completion::Hub>>,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -460,6 +462,7 @@ impl Context {
                 lent: Mutex::new(Vec::new()),
                 _keep_alive: keep_alive,
                 torn_down: false,
+                hub: OnceLock::new(),
             }),
         })
     }
@@ -766,6 +769,12 @@ impl Context {
 }
 
 impl CtxInner {
+    /// The context's completion hub (made on first use; its memory and thread come later).
+    pub(crate) fn hub(&self) -> &Arc<crate::completion::Hub> {
+        self.hub
+            .get_or_init(|| crate::completion::Hub::new(self.driver.clone()))
+    }
+
     pub(crate) fn bind(&self) -> Result<()> {
         if self.driver.ctx_get_current()? != self.raw {
             // SAFETY: the context is live while this state lives (retained, or kept alive by
@@ -1135,6 +1144,7 @@ impl Drop for CtxInner {
                 )),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,
+                hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
             };
             self.torn_down = true;
             off_host_fn_thread(move || drop(moved));
@@ -1154,6 +1164,10 @@ impl Drop for CtxInner {
             let _ = p.drain(&*self.driver, true);
         }
         self.flush(true);
+        if let Some(h) = self.hub.get() {
+            // Every stream has been drained: the completions' writes and copies have landed.
+            h.shutdown();
+        }
         // Frees still pending here are leaked (their stream is captured by a leaked guard, or
         // the driver refuses): leaking is safe, freeing unordered is not.
         {

@@ -124,6 +124,7 @@
 #![warn(missing_docs, missing_debug_implementations)]
 
 mod capture;
+mod completion;
 mod context;
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
@@ -141,10 +142,11 @@ mod stream;
 #[cfg(feature = "cudarc")]
 pub use self::cudarc::CudarcUse;
 pub use capture::{CaptureGuard, Graph, GraphExec};
+pub use completion::{Completion, HostCopy};
 pub use context::{Context, ContextOptions, MemPoolChoice, Priority, PriorityRange};
 pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
 pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};
-pub use owner::{end_thread_owner, Owner};
+pub use owner::{end_thread_owner, Attached, Owner};
 pub use pool::{PoolStats, MAX_IDLE};
 pub use stream::{OwnedStream, StreamRef};
