@@ -19,6 +19,15 @@ mod regen {
         let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
         let header = root.join("wrapper.h");
         let committed = root.join("cuda-sys/src/bindings.rs");
+        if !committed.is_file() {
+            // A packaged copy of this crate has no cuda-sys/ beside it: the check belongs to
+            // the repository (`cargo build --features bindgen` at its root).
+            panic!(
+                "the bindings check compares wrapper.h with {}, which is not here: run it from \
+                 the repository, not from a packaged copy",
+                committed.display()
+            );
+        }
         println!("cargo:rerun-if-changed={}", header.display());
         println!("cargo:rerun-if-changed={}", committed.display());
         println!("cargo:rerun-if-env-changed=CSP_UPDATE_BINDINGS");

@@ -1,4 +1,5 @@
-//! Replays every committed fuzz input (fuzz/corpus/pool_model) through the same model as the
+//! Replays every committed fuzz input (tests/corpus/pool_model, which the fuzz crate's
+//! fuzz/corpus/pool_model links to, so that the corpus ships with the package) through the same model as the
 //! fuzzer, so that a past crash never returns.
 
 mod model;
@@ -7,11 +8,11 @@ mod model;
 fn replay_fuzz_corpus() {
     // The source tree where the test was built, else the working directory (a test binary
     // carried to another machine runs from the repository root there).
-    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/pool_model");
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/pool_model");
     let dir = if built.is_dir() {
         built
     } else {
-        std::path::PathBuf::from("fuzz/corpus/pool_model")
+        std::path::PathBuf::from("tests/corpus/pool_model")
     };
     let mut n = 0;
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
