@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Packages both crates, runs the packaged library's tests as packaged (its sys dependency patched
+# to the packaged sys crate, since neither is on crates.io yet), and dry-runs the publication of
+# both, in order. Used by .ci/run.
+#
+#   bash scripts/package-check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+top=$PWD
+excl=()
+if cargo metadata --no-deps --format-version 1 | grep -q '"name":"cuda-stream-pool-demo"'; then
+  excl=(--exclude cuda-stream-pool-demo)
+fi
+cargo package --workspace "${excl[@]}" --allow-dirty
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tar xzf target/package/cuda-stream-pool-sys-0.1.0.crate -C "$tmp"
+tar xzf target/package/cuda-stream-pool-0.1.0.crate -C "$tmp"
+cat >> "$tmp/cuda-stream-pool-0.1.0/Cargo.toml" <<'TOML'
+
+[patch.crates-io]
+cuda-stream-pool-sys = { path = "../cuda-stream-pool-sys-0.1.0" }
+TOML
+# The packaged copies build in their own target directory (a fresh build, like a user's).
+export CARGO_TARGET_DIR="$top/target/package-check"
+(cd "$tmp/cuda-stream-pool-sys-0.1.0" && cargo test)
+# The kernel-launching tests need the `kernels` feature, which the repository enables for them
+# through a self dev-dependency that packaging strips.
+(cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels)
+cargo publish --workspace "${excl[@]}" --dry-run --allow-dirty
+echo "package-check: OK"
