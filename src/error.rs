@@ -173,11 +173,13 @@ impl fmt::Display for Error {
     }
 }
 
+/// The wrapping variants are transparent: `Display` is the inner error's, and `source` is the
+/// inner error's source (none), so an error chain never repeats a message.
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::LibraryNotFound(e) => Some(e),
-            Error::MissingSymbol(e) => Some(e),
+            Error::LibraryNotFound(e) => e.source(),
+            Error::MissingSymbol(e) => e.source(),
             _ => None,
         }
     }
@@ -195,6 +197,25 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chain_never_repeats_a_message() {
+        use std::error::Error as _;
+        let e = Error::from(LoadError {
+            tried: vec![("libcuda.so.1".into(), "not found".into())],
+        });
+        let mut chain = vec![e.to_string()];
+        let mut src = e.source();
+        while let Some(s) = src {
+            chain.push(s.to_string());
+            src = s.source();
+        }
+        for (i, a) in chain.iter().enumerate() {
+            for b in &chain[i + 1..] {
+                assert!(!a.contains(b.as_str()), "{a:?} repeats {b:?}");
+            }
+        }
+    }
 
     #[test]
     fn driver_errors_name_code_and_call() {
