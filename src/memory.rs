@@ -95,7 +95,7 @@ impl Drop for BufCore {
 ///     let _ptr = u.ptr();                 // launch work on sb with it here (e.g. with cudarc)
 ///     assert!(buf.use_on(&sa).is_err());  // this thread already holds the use lock
 /// }                                       // sb is the buffer's last use from here on
-/// assert!(buf.last_use().0 == sb.raw());
+/// assert!(buf.last_use().unwrap().0 == sb.raw());
 /// ```
 #[must_use = "the use is recorded when the guard is dropped: enqueue the work while it lives"]
 pub struct BufferUse<'b> {
@@ -488,7 +488,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     ///     let u = buf.use_on(&sb).unwrap();          // `sb` now waits for that work, on the GPU
     ///     sim.enqueue_access(sb.raw(), u.ptr(), u.bytes(), false, 1_000).unwrap();
     /// }
-    /// assert_eq!(buf.last_use().0, sb.raw());
+    /// assert_eq!(buf.last_use().unwrap().0, sb.raw());
     /// sb.synchronize().unwrap();
     /// assert!(sim.findings().is_empty());            // the simulation saw no race
     /// ```

@@ -108,7 +108,7 @@ impl<'a> StreamRef<'a> {
     }
 
     /// Lends the stream to another crate as a shared handle of that crate's type, made by `wrap`
-    /// from the raw stream (cudarc's is [`StreamRef::cudarc_stream`]). The handle may outlive this
+    /// from the raw stream (cudarc's is `StreamRef::cudarc_stream`, with the `cudarc` feature). The handle may outlive this
     /// reference and its holder: while anyone holds a clone of the returned `Arc` (or of one
     /// made from it), the stream is neither handed to another owner nor destroyed; once the last
     /// clone is gone, a later release, allocation, free or [`Context::trim`] returns it to the
