@@ -1,8 +1,11 @@
 //! `cuda-stream-pool`: shows which driver the crate runs on and runs the seed's workloads.
 //!
+//! The workspace member `cuda-stream-pool-demo` (not published); from the repository root:
+//!
 //! ```text
 //! cargo run --release                     # real driver when present, else the simulation
 //! cargo run --release -- --driver sim     # force the simulation (--driver cuda forces the GPU)
+//! cargo run --release --features cudarc   # with the `cudarc` strategy
 //! ```
 
 use cuda_stream_pool::driver::{self, Choice, DeviceAttr};
