@@ -18,9 +18,94 @@
 use cuda_stream_pool::driver::Choice;
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{Context, DeviceBuffer, Error, OwnedStream, Priority, Result, StreamRef};
+use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// The most worker threads a row may ask for.
+pub const MAX_THREADS: u64 = 1024;
+/// The longest `--deferred-cap`, in seconds (a day).
+pub const MAX_DEFERRED_CAP: f64 = 86_400.0;
+
+/// Why the demo stopped early.
+#[derive(Debug)]
+pub enum Failure {
+    /// An error of the crate or the driver.
+    Cuda(Error),
+    /// Anything else, as one line.
+    Message(String),
+    /// Standard output was closed (e.g. `| head -1`): not an error, the demo just stops.
+    StdoutClosed,
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure::Cuda(e)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Cuda(e) => write!(f, "{e}"),
+            Failure::Message(m) => f.write_str(m),
+            Failure::StdoutClosed => f.write_str("standard output closed"),
+        }
+    }
+}
+
+/// The demo's result type.
+pub type DemoResult<T> = std::result::Result<T, Failure>;
+
+/// Writes one line to standard output; a closed pipe becomes [`Failure::StdoutClosed`].
+pub fn out(line: &str) -> DemoResult<()> {
+    let mut o = std::io::stdout().lock();
+    match writeln!(o, "{line}").and_then(|()| o.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(Failure::StdoutClosed),
+        Err(e) => Err(Failure::Message(format!(
+            "cannot write to standard output: {e}"
+        ))),
+    }
+}
+
+/// Writes one line to standard error; never fails (a closed standard error loses the line).
+pub fn note(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// Locks a mutex even if a thread panicked while holding it (the data are counters and streams
+/// to drop, valid in any state).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `--deferred-cap`: a finite number of seconds in (0, [`MAX_DEFERRED_CAP`]].
+fn parse_cap(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if v.is_finite() && v > 0.0 && v <= MAX_DEFERRED_CAP {
+        Ok(v)
+    } else {
+        Err(format!(
+            "must be a number of seconds above 0 and at most {MAX_DEFERRED_CAP}"
+        ))
+    }
+}
+
+/// Spawns a named thread; failure to start one is an error, not a panic.
+fn spawn<T: Send + 'static>(
+    name: String,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> DemoResult<std::thread::JoinHandle<T>> {
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(f)
+        .map_err(|e| Failure::Message(format!("cannot start thread {name}: {e}")))
+}
 
 const STRATEGIES: [&str; 6] = ["pool", "pool-tls", "floor", "fresh", "deferred", "cudarc"];
 const WORKLOADS: [&str; 2] = ["short", "prodcons"];
@@ -46,8 +131,8 @@ pub struct Options {
     /// Owners (tasks) per row.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub tasks: u64,
-    /// Worker threads, comma-separated (default: 1 and the machine's cores).
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
+    /// Worker threads, comma-separated, each 1 to 1024 (default: 1 and the machine's cores).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=MAX_THREADS), allow_negative_numbers = true)]
     pub threads: Vec<u64>,
     /// Strategies, comma-separated (default: all that this build and driver support).
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(STRATEGIES))]
@@ -58,8 +143,9 @@ pub struct Options {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Seconds after which the `deferred` strategy stops (reported as tasks done in that time).
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds after which the `deferred` strategy stops (reported as tasks done in that time);
+    /// above 0, at most 86400.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_cap, allow_hyphen_values = true)]
     pub deferred_cap: f64,
     /// Runs of each row, taking turns between strategies; the median run is reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -88,7 +174,11 @@ impl Options {
                 vec![1]
             }
         } else {
-            self.threads.iter().map(|&t| t as usize).collect()
+            // At most MAX_THREADS (the parser's range).
+            self.threads
+                .iter()
+                .map(|&t| t.min(MAX_THREADS) as usize)
+                .collect()
         }
     }
 }
@@ -180,7 +270,7 @@ fn run_one(
     tasks: usize,
     cap: f64,
     progress: bool,
-) -> Result<Row> {
+) -> DemoResult<Row> {
     ctx.synchronize()?;
     ctx.trim()?;
     let d = ctx.driver().clone();
@@ -195,7 +285,7 @@ fn run_one(
     // Device memory is sampled by a monitor thread.
     let monitor = {
         let (ctx, peak, stop) = (ctx.clone(), peak_used.clone(), stop.clone());
-        std::thread::spawn(move || {
+        spawn("memory-monitor".into(), move || {
             let _ = ctx.bind();
             while !stop.load(Ordering::Relaxed) {
                 if let Ok((free, total)) = ctx.driver().mem_get_info() {
@@ -203,7 +293,7 @@ fn run_one(
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
-        })
+        })?
     };
     let deadline = Instant::now() + Duration::from_secs_f64(cap);
     let bar = if progress {
@@ -223,8 +313,10 @@ fn run_one(
     let done = Arc::new(AtomicUsize::new(0));
     let kept: Arc<Mutex<Vec<Counted>>> = Arc::new(Mutex::new(Vec::new()));
     let t0 = Instant::now();
-    let workers: Vec<_> = (0..threads)
-        .map(|w| {
+    let mut workers = Vec::with_capacity(threads);
+    let mut first_err: Option<Failure> = None;
+    for w in 0..threads {
+        let worker = {
             let (ctx, k, done, kept, pool_peak, bar, cu) = (
                 ctx.clone(),
                 k.clone(),
@@ -236,7 +328,7 @@ fn run_one(
             );
             let (workload, strategy) = (workload.to_string(), strategy.to_string());
             let my_tasks = tasks / threads + usize::from(w < tasks % threads);
-            std::thread::spawn(move || -> Result<()> {
+            spawn(format!("worker-{w}"), move || -> Result<()> {
                 ctx.bind()?;
                 let floor = if strategy == "floor" {
                     Some(Counted::new(&ctx)?)
@@ -250,7 +342,9 @@ fn run_one(
                 };
                 for i in 0..my_tasks {
                     if strategy == "cudarc" {
-                        let cu = cu.as_ref().expect("cudarc strategy without cudarc");
+                        let cu = cu.as_ref().ok_or_else(|| {
+                            Error::InvalidArgument("cudarc strategy without cudarc".into())
+                        })?;
                         match cu_producer.as_ref().filter(|_| workload == "prodcons") {
                             Some(p) => cu.prodcons_task(p)?,
                             None => cu.short_task()?,
@@ -279,7 +373,10 @@ fn run_one(
                             work(&owner.stream()?)?;
                         }
                         "pool-tls" => work(&ctx.stream()?)?,
-                        "floor" => work(&floor.as_ref().unwrap().0.stream())?,
+                        "floor" => match &floor {
+                            Some(f) => work(&f.0.stream())?,
+                            None => return Err(Error::InvalidArgument("no floor stream".into())),
+                        },
                         "fresh" => {
                             let s = Counted::new(&ctx)?;
                             work(&s.0.stream())?;
@@ -287,9 +384,11 @@ fn run_one(
                         "deferred" => {
                             let s = Counted::new(&ctx)?;
                             work(&s.0.stream())?;
-                            kept.lock().unwrap().push(s);
+                            lock(&kept).push(s);
                         }
-                        _ => unreachable!(),
+                        other => {
+                            return Err(Error::InvalidArgument(format!("unknown strategy {other}")))
+                        }
                     }
                     if i % 64 == 0 {
                         pool_peak.fetch_max(ctx.live_streams(), Ordering::Relaxed);
@@ -300,18 +399,34 @@ fn run_one(
                 cuda_stream_pool::end_thread_owner(&ctx);
                 Ok(())
             })
-        })
-        .collect();
-    let mut first_err = None;
+        };
+        match worker {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                // The threads started so far finish their share; the row is an error.
+                first_err = Some(e);
+                break;
+            }
+        }
+    }
     for h in workers {
-        if let Err(e) = h.join().expect("worker panicked") {
-            first_err.get_or_insert(e);
+        match h.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e.into());
+            }
+            Err(_) => {
+                first_err.get_or_insert(Failure::Message("a worker thread panicked".into()));
+            }
         }
     }
     let wall = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
     if std::env::var_os("CSP_DEMO_STATS").is_some() {
-        eprintln!("{workload} {strategy} x{threads}: {:?}", ctx.stats());
+        note(&format!(
+            "{workload} {strategy} x{threads}: {:?}",
+            ctx.stats()
+        ));
     }
     pool_peak.fetch_max(ctx.live_streams(), Ordering::Relaxed);
     let ts = Instant::now();
@@ -322,7 +437,7 @@ fn run_one(
     if let Ok((free, total)) = d.mem_get_info() {
         peak_used.fetch_max((total - free) as u64, Ordering::Relaxed);
     }
-    kept.lock().unwrap().clear();
+    lock(&kept).clear();
     if let Some(e) = first_err {
         return Err(e);
     }
@@ -344,7 +459,8 @@ fn run_one(
     })
 }
 
-pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
+/// Runs every row and prints the table (or the JSON lines).
+pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
     let k = Arc::new(Kernels::load(ctx)?);
     // Warm up: the first kernel launch JIT-compiles the PTX.
     short_task(&k, &ctx.owner().stream()?)?;
@@ -359,9 +475,9 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
             Ok(c) => Some(Arc::new(c)),
             Err(why) => {
                 if !opts.strategies.is_empty() {
-                    return Err(Error::InvalidArgument(format!("strategy cudarc: {why}")));
+                    return Err(Failure::Message(format!("strategy cudarc: {why}")));
                 }
-                eprintln!("note: the cudarc strategy is skipped: {why}");
+                note(&format!("note: the cudarc strategy is skipped: {why}"));
                 strategies.retain(|s| s != "cudarc");
                 None
             }
@@ -373,13 +489,14 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
     let mut json_out = match &opts.json_out {
         Some(p) => Some(
             std::fs::File::create(p)
-                .map_err(|e| Error::InvalidArgument(format!("--json-out {}: {e}", p.display())))?,
+                .map_err(|e| Failure::Message(format!("--json-out {}: {e}", p.display())))?,
         ),
         None => None,
     };
     if !opts.json {
-        println!(
-            "\n{:<9} {:<9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9}",
+        out("")?;
+        out(&format!(
+            "{:<9} {:<9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9}",
             "workload",
             "strategy",
             "threads",
@@ -390,7 +507,7 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
             "streams",
             "mem_MiB",
             "sync_ms"
-        );
+        ))?;
     }
     for w in &opts.workloads {
         for t in opts.thread_counts() {
@@ -429,14 +546,13 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
                     r.workload, r.strategy, r.threads, r.tasks, r.wall, ratio, per, r.peak_streams, r.peak_mem, r.final_sync, r.capped, n, ctx.driver().kind()
                 );
                 if let Some(f) = json_out.as_mut() {
-                    use std::io::Write as _;
                     writeln!(f, "{line}")
-                        .map_err(|e| Error::InvalidArgument(format!("--json-out: {e}")))?;
+                        .map_err(|e| Failure::Message(format!("--json-out: {e}")))?;
                 }
                 if opts.json {
-                    println!("{line}");
+                    out(&line)?;
                 } else {
-                    println!(
+                    out(&format!(
                         "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8.2} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
                         r.workload,
                         r.strategy,
@@ -453,17 +569,18 @@ pub fn run(ctx: &Context, opts: &Options) -> Result<()> {
                         } else {
                             ""
                         }
-                    );
+                    ))?;
                 }
             }
         }
     }
     if !opts.json {
-        println!(
-            "\nx_floor: time per owner relative to one long-lived stream per thread; streams: peak live \
+        out("")?;
+        out(
+            "x_floor: time per owner relative to one long-lived stream per thread; streams: peak live \
              streams (the pool's include its disposal stream); mem_MiB: peak device memory above \
-             the start; sync_ms: a final cuCtxSynchronize."
-        );
+             the start; sync_ms: a final cuCtxSynchronize.",
+        )?;
     }
     Ok(())
 }
