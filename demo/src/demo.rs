@@ -140,7 +140,7 @@ pub struct Options {
     /// Workloads, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(WORKLOADS), default_values_t = WORKLOADS.map(String::from))]
     pub workloads: Vec<String>,
-    /// Print JSON lines instead of a table.
+    /// Print JSON lines instead of a table (the schema: below, and in the README).
     #[arg(long)]
     pub json: bool,
     /// Seconds after which the `deferred` strategy stops (reported as tasks done in that time);
@@ -150,7 +150,7 @@ pub struct Options {
     /// Runs of each row, taking turns between strategies; the median run is reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
-    /// Also write the rows as JSON lines to this file.
+    /// Also write the rows as JSON lines to this file (the schema of --json).
     #[arg(long)]
     pub json_out: Option<std::path::PathBuf>,
 }
@@ -200,6 +200,41 @@ impl Row {
     fn per_owner(&self) -> f64 {
         self.wall * 1e6 / self.tasks.max(1) as f64
     }
+}
+
+/// One row of `--json` and `--json-out`: one JSON object per line (JSON Lines), in the table's
+/// order. The schema is stable: fields may be added, none is renamed, removed or changes type.
+///
+/// | field | type | meaning |
+/// | --- | --- | --- |
+/// | `workload` | string | `short` or `prodcons` |
+/// | `strategy` | string | `floor`, `pool`, `pool-tls`, `fresh`, `deferred` or `cudarc` |
+/// | `threads` | integer | worker threads |
+/// | `tasks` | integer | owners (tasks) completed; fewer than `--tasks` when `capped` |
+/// | `wall_s` | number | seconds for the row |
+/// | `ratio_to_floor` | number or `null` | `us_per_owner` over the same row's `floor`; `null` when `floor` did not run |
+/// | `us_per_owner` | number | `wall_s` × 10⁶ / `tasks` |
+/// | `peak_streams` | integer | most streams alive at once (the pool's disposal stream included) |
+/// | `peak_mem_bytes` | integer | peak device memory above the row's start (`cuMemGetInfo`, sampled every 2 ms) |
+/// | `final_sync_s` | number | seconds of the final `cuCtxSynchronize` |
+/// | `capped` | boolean | `deferred` hit `--deferred-cap` |
+/// | `repeats` | integer | runs of the row; the median one is reported |
+/// | `driver` | string | `cuda` or `sim` |
+#[derive(Debug, serde::Serialize)]
+pub struct JsonRow {
+    pub workload: String,
+    pub strategy: String,
+    pub threads: usize,
+    pub tasks: usize,
+    pub wall_s: f64,
+    pub ratio_to_floor: Option<f64>,
+    pub us_per_owner: f64,
+    pub peak_streams: u64,
+    pub peak_mem_bytes: u64,
+    pub final_sync_s: f64,
+    pub capped: bool,
+    pub repeats: usize,
+    pub driver: String,
 }
 
 /// Counts streams created outside the pool (the non-pool strategies).
@@ -487,10 +522,11 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
     };
     let progress = !opts.json;
     let mut json_out = match &opts.json_out {
-        Some(p) => Some(
+        Some(p) => Some((
+            p,
             std::fs::File::create(p)
                 .map_err(|e| Failure::Message(format!("--json-out {}: {e}", p.display())))?,
-        ),
+        )),
         None => None,
     };
     if !opts.json {
@@ -540,26 +576,40 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                 if r.strategy == "floor" {
                     floor_per = Some(per);
                 }
-                let ratio = floor_per.map_or(f64::NAN, |f| per / f);
-                let line = format!(
-                    "{{\"workload\":\"{}\",\"strategy\":\"{}\",\"threads\":{},\"tasks\":{},\"wall_s\":{:.4},\"ratio_to_floor\":{:.3},\"us_per_owner\":{:.2},\"peak_streams\":{},\"peak_mem_bytes\":{},\"final_sync_s\":{:.5},\"capped\":{},\"repeats\":{},\"driver\":\"{}\"}}",
-                    r.workload, r.strategy, r.threads, r.tasks, r.wall, ratio, per, r.peak_streams, r.peak_mem, r.final_sync, r.capped, n, ctx.driver().kind()
-                );
-                if let Some(f) = json_out.as_mut() {
-                    writeln!(f, "{line}")
-                        .map_err(|e| Failure::Message(format!("--json-out: {e}")))?;
+                let ratio = floor_per.map(|f| per / f);
+                let row = JsonRow {
+                    workload: r.workload.clone(),
+                    strategy: r.strategy.clone(),
+                    threads: r.threads,
+                    tasks: r.tasks,
+                    wall_s: r.wall,
+                    ratio_to_floor: ratio.filter(|x| x.is_finite()),
+                    us_per_owner: per,
+                    peak_streams: r.peak_streams,
+                    peak_mem_bytes: r.peak_mem,
+                    final_sync_s: r.final_sync,
+                    capped: r.capped,
+                    repeats: n,
+                    driver: ctx.driver().kind().to_string(),
+                };
+                let line = serde_json::to_string(&row)
+                    .map_err(|e| Failure::Message(format!("JSON: {e}")))?;
+                if let Some((p, f)) = json_out.as_mut() {
+                    writeln!(f, "{line}").map_err(|e| {
+                        Failure::Message(format!("--json-out {}: {e}", p.display()))
+                    })?;
                 }
                 if opts.json {
                     out(&line)?;
                 } else {
                     out(&format!(
-                        "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8.2} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
+                        "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
                         r.workload,
                         r.strategy,
                         r.threads,
                         r.tasks,
                         r.wall,
-                        ratio,
+                        ratio.map_or_else(|| "-".to_string(), |x| format!("{x:.2}")),
                         per,
                         r.peak_streams,
                         r.peak_mem as f64 / (1 << 20) as f64,
