@@ -1,4 +1,6 @@
-//! The seed's two workloads, run with each stream strategy, as a table.
+//! The seed's two workloads, run with each stream strategy, as a table. "The seed" is CUDA.jl
+//! PR #3317 (<https://github.com/JuliaGPU/CUDA.jl/pull/3317>), the stream pool of CUDA.jl that
+//! this crate generalises; its workloads are the two below.
 //!
 //! * `short` (many short owners): each owner allocates 1,024 floats (zeroed), adds one with a
 //!   kernel, sums them into a second buffer with another kernel, copies the sum back,
@@ -13,7 +15,9 @@
 //! task), `pool-tls` (the worker thread's implicit owner), `floor` (one long-lived stream per
 //! worker thread), `fresh` (a new stream per task, destroyed at its end), `deferred` (a new stream
 //! per task, destroyed only at the end of the run, as a garbage collector would; stopped after
-//! `--deferred-cap` seconds and reported as tasks done in that time).
+//! `--deferred-cap` seconds and reported as tasks done in that time), `cudarc` (a cudarc
+//! `CudaContext::new_stream` per task, as cudarc users write it; feature `cudarc`, GPU only).
+//! [`LEGEND`] says the same to the user, under the table and in `--help`.
 
 use cuda_stream_pool::driver::Choice;
 use cuda_stream_pool::kernels::Kernels;
@@ -121,9 +125,48 @@ pub enum DriverArg {
     Sim,
 }
 
+/// What the table's strategies and columns mean; printed under the table and by `--help`.
+pub const LEGEND: &str = "\
+Workloads (\"the seed\" is CUDA.jl PR #3317, https://github.com/JuliaGPU/CUDA.jl/pull/3317,
+the stream pool of CUDA.jl that this crate generalises; these are its two workloads):
+  short     each task (owner) allocates 1,024 floats, adds one and sums them with two kernels,
+            copies the sum back, synchronizes and checks it
+  prodcons  a long-lived producer per thread fills a buffer; a short-lived consumer uses it on
+            its own stream (ordered on the GPU), sums, checks and frees it
+Strategies (where each task's stream comes from):
+  floor     one long-lived stream per worker thread, reused by every task: no stream
+            management at all, the baseline of x_floor
+  pool      this crate: an Owner per task takes a recycled stream from the pool and gives it
+            back when dropped (handed on only once its GPU work is done)
+  pool-tls  this crate: the worker thread's implicit owner (Context::stream), no acquire per task
+  fresh     cuStreamCreate per task, cuStreamDestroy at its end
+  deferred  a new stream per task, destroyed only at the end of the run, as a garbage collector
+            would (what the seed fixed); stopped after --deferred-cap seconds
+  cudarc    cudarc's CudaContext::new_stream per task, as cudarc users write it today (build
+            with --features cudarc; needs a GPU)
+Columns: x_floor = time per owner / the same row's floor (- when floor did not run);
+  us/owner = wall time per task; streams = peak live streams (the pool's include its disposal
+  stream); mem_MiB = peak device memory above the row's start; sync_ms = a final
+  cuCtxSynchronize.";
+
+/// The `--json` schema, for `--help` (the same as [`JsonRow`]'s table).
+const JSON_HELP: &str = "\
+JSON (--json, --json-out): one object per line, fields (stable: added, never renamed or retyped):
+  workload, strategy (strings), threads, tasks (integers; tasks done), wall_s (number),
+  ratio_to_floor (number, or null when floor did not run), us_per_owner (number),
+  peak_streams, peak_mem_bytes (integers), final_sync_s (number), capped (boolean),
+  repeats (integer), driver (\"cuda\" or \"sim\").";
+
 /// The seed's workloads (many short owners; producer/consumer) with each stream strategy.
 #[derive(Debug, clap::Parser)]
-#[command(name = "cuda-stream-pool", version, about, long_about = None)]
+#[command(
+    name = "cuda-stream-pool",
+    version,
+    about = "The seed's workloads (CUDA.jl PR #3317) with each way of getting a stream for a short task: \
+             this crate's pool against one stream per thread, a new stream per task, and more",
+    after_help = "`--help` says what the strategies and columns mean.",
+    after_long_help = format!("{LEGEND}\n\n{JSON_HELP}")
+)]
 pub struct Options {
     /// Driver to use.
     #[arg(long, value_enum, default_value = "auto")]
@@ -626,11 +669,7 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
     }
     if !opts.json {
         out("")?;
-        out(
-            "x_floor: time per owner relative to one long-lived stream per thread; streams: peak live \
-             streams (the pool's include its disposal stream); mem_MiB: peak device memory above \
-             the start; sync_ms: a final cuCtxSynchronize.",
-        )?;
+        out(LEGEND)?;
     }
     Ok(())
 }

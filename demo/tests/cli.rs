@@ -131,3 +131,49 @@ fn help_and_version_succeed() {
         assert!(!o.stdout.is_empty(), "{flag}");
     }
 }
+
+#[test]
+fn help_and_table_explain_the_strategies_and_the_seed() {
+    let help = Command::cargo_bin(BIN)
+        .unwrap()
+        .arg("--help")
+        .output()
+        .unwrap();
+    let table = Command::cargo_bin(BIN)
+        .unwrap()
+        .args([
+            "--driver",
+            "sim",
+            "--tasks",
+            "4",
+            "--threads",
+            "1",
+            "--strategies",
+            "floor,pool",
+        ])
+        .args(["--workloads", "short"])
+        .output()
+        .unwrap();
+    assert!(table.status.success());
+    for text in [&help.stdout, &table.stdout] {
+        let text = String::from_utf8_lossy(text);
+        for term in [
+            "floor ",
+            "pool ",
+            "pool-tls ",
+            "fresh ",
+            "deferred ",
+            "cudarc ",
+        ] {
+            assert!(
+                text.contains(&format!("\n  {term}")),
+                "{term} not explained:\n{text}"
+            );
+        }
+        assert!(
+            text.contains("https://github.com/JuliaGPU/CUDA.jl/pull/3317"),
+            "{text}"
+        );
+        assert!(text.contains("\"the seed\""), "{text}");
+    }
+}
