@@ -126,6 +126,8 @@ mod capture;
 mod context;
 pub mod driver;
 mod error;
+#[cfg(feature = "kernels")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kernels")))]
 pub mod kernels;
 mod memory;
 mod owner;
