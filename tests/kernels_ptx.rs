@@ -66,11 +66,21 @@ fn ptx_uses_only_instructions_of_old_isas() {
             continue;
         }
         let line = line.strip_prefix("@%p1").unwrap_or(line).trim();
-        let op = line.split_whitespace().next().unwrap().trim_end_matches(';');
-        assert!(ALLOWED.contains(&op), "instruction {op:?} is not in the allow list");
+        let op = line
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .trim_end_matches(';');
+        assert!(
+            ALLOWED.contains(&op),
+            "instruction {op:?} is not in the allow list"
+        );
         seen += 1;
     }
-    assert!(seen > 20, "only {seen} instructions found: the parser is broken");
+    assert!(
+        seen > 20,
+        "only {seen} instructions found: the parser is broken"
+    );
 }
 
 fn sums(d: &std::sync::Arc<dyn cuda_stream_pool::driver::Driver>) {

@@ -537,6 +537,23 @@ fn run_one(
     })
 }
 
+/// A new real-time simulated driver's primary context, with the kernels loaded and warmed up.
+fn new_sim_context() -> DemoResult<(Context, Arc<Kernels>)> {
+    let d: Arc<dyn cuda_stream_pool::driver::Driver> =
+        Arc::new(cuda_stream_pool::driver::SimDriver::realtime());
+    d.init()?;
+    let ctx = Context::primary(d, 0)?;
+    let k = Arc::new(Kernels::load(&ctx)?);
+    short_task(&k, &ctx.owner().stream()?)?;
+    Ok((ctx, k))
+}
+
+/// The note printed instead of multi-thread rows on the simulation.
+pub const SIM_THREADS_NOTE: &str = "note: on the simulated driver only 1-thread rows are run. \
+The simulation's driver calls from several threads run in parallel, while the real driver \
+serialises them (on the H200 a cuStreamQuery costs 0.2 us on one thread and 8.6 us on each of \
+16), so its multi-thread rows would not be results. Run on a GPU for them.";
+
 /// Runs every row and prints the table (or the JSON lines).
 pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
     let k = Arc::new(Kernels::load(ctx)?);
@@ -564,6 +581,16 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
         None
     };
     let progress = !opts.json;
+    let mut thread_counts = opts.thread_counts();
+    if !on_gpu && thread_counts.iter().any(|&t| t > 1) {
+        thread_counts.retain(|&t| t == 1);
+        note(SIM_THREADS_NOTE);
+        if thread_counts.is_empty() {
+            return Err(Failure::Message(
+                "no rows to run: the simulated driver runs only --threads 1".into(),
+            ));
+        }
+    }
     let mut json_out = match &opts.json_out {
         Some(p) => Some((
             p,
@@ -589,7 +616,7 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
         ))?;
     }
     for w in &opts.workloads {
-        for t in opts.thread_counts() {
+        for t in thread_counts.iter().copied() {
             // The floor first, so that every other row has its ratio; with --repeat, the
             // strategies take turns and each reports its median run.
             let mut order: Vec<&String> = strategies.iter().filter(|s| *s == "floor").collect();
@@ -597,9 +624,21 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
             let mut runs: Vec<Vec<Row>> = order.iter().map(|_| Vec::new()).collect();
             for _ in 0..opts.repeat {
                 for (i, s) in order.iter().enumerate() {
+                    // On the simulation every row gets a new simulated driver: the simulation's
+                    // race detector keeps a vector clock entry for every stream ever created,
+                    // so a row run after `fresh` or `deferred` would pay for their streams.
+                    let fresh_sim = if on_gpu {
+                        None
+                    } else {
+                        Some(new_sim_context()?)
+                    };
+                    let (ctx, k) = match &fresh_sim {
+                        Some((c, k)) => (c, k),
+                        None => (ctx, &k),
+                    };
                     runs[i].push(run_one(
                         ctx,
-                        &k,
+                        k,
                         cu.as_ref(),
                         w,
                         s,
