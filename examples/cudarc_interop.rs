@@ -17,8 +17,10 @@ use cuda_stream_pool::{Context, DeviceBuffer};
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let cu = CudaContext::new(0)?;
+    // This crate's loader first: without a GPU it returns an error, where cudarc's dynamic
+    // loading would panic.
     let (drv, _) = driver::load(Choice::Cuda)?;
+    let cu = CudaContext::new(0)?;
     let raw = driver::Context(cu.cu_ctx() as usize as u64);
     // SAFETY: `raw` is cudarc's live context, and the `Arc<CudaContext>` passed as `keep_alive`
     // keeps it alive until this state and everything made from it are gone.
@@ -75,7 +77,10 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
                         .launch(cfg)?
                 };
             }
-            assert_eq!(out.to_vec(&sb)?[0], n as f32);
+            let got = out.to_vec(&sb)?[0];
+            if got != n as f32 {
+                return Err(format!("wrong sum {got}, expected {n}").into());
+            }
             // cudarc's slice is freed on its stream (a's), which a still owns.
             drop(x);
             checked += 1;
@@ -91,6 +96,12 @@ pub fn run() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 #[allow(dead_code)]
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    run()
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
