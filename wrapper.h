@@ -21,6 +21,7 @@
 /* ---- scalar and handle types ------------------------------------------------------------- */
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
+typedef uint32_t cuuint32_t;
 typedef uint64_t cuuint64_t;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
@@ -108,6 +109,47 @@ typedef enum CUmemPool_attribute_enum {
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
 } CUmemPool_attribute;
 
+typedef enum CUmemAllocationType_enum {
+    CU_MEM_ALLOCATION_TYPE_INVALID = 0x0,
+    CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
+} CUmemAllocationType;
+
+typedef enum CUmemAllocationHandleType_enum {
+    CU_MEM_HANDLE_TYPE_NONE = 0x0
+} CUmemAllocationHandleType;
+
+typedef enum CUmemLocationType_enum {
+    CU_MEM_LOCATION_TYPE_INVALID = 0x0,
+    CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+} CUmemLocationType;
+
+typedef struct CUmemLocation_st {
+    CUmemLocationType type;
+    int id;
+} CUmemLocation;
+
+/* The CUDA 11.2 layout (88 bytes): later headers carve fields (maxSize, usage) out of
+   `reserved`, which the crate zeroes, so their defaults apply. scripts/abi-check.sh checks the
+   size and the offsets used. */
+typedef struct CUmemPoolProps_st {
+    CUmemAllocationType allocType;
+    CUmemAllocationHandleType handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    unsigned char reserved[64];
+} CUmemPoolProps;
+
+typedef enum CUstreamWaitValue_flags_enum {
+    CU_STREAM_WAIT_VALUE_GEQ = 0x0,
+    CU_STREAM_WAIT_VALUE_EQ = 0x1,
+    CU_STREAM_WAIT_VALUE_AND = 0x2,
+    CU_STREAM_WAIT_VALUE_NOR = 0x3
+} CUstreamWaitValue_flags;
+
+typedef enum CUstreamWriteValue_flags_enum {
+    CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+} CUstreamWriteValue_flags;
+
 typedef enum CUdevice_attribute_enum {
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1,
     CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
@@ -161,6 +203,8 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPoo
                                  CUstream hStream);
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev);
+CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps);
+CUresult cuMemPoolDestroy(CUmemoryPool pool);
 CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value);
 CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value);
 CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
@@ -169,6 +213,17 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t
 CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
                               CUstream hStream);
 CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream);
+
+/* ---- host-mapped memory and stream memory operations ------------------------------------- */
+/* cuMemHostAlloc's flags are plain macros in cuda.h (CU_MEMHOSTALLOC_PORTABLE 0x01,
+ * CU_MEMHOSTALLOC_DEVICEMAP 0x02); the Rust side names them (driver::host_alloc_flags). */
+CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags);
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags);
+CUresult cuMemFreeHost(void *p);
+CUresult cuStreamWriteValue64_v2(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                 unsigned int flags);
+CUresult cuStreamWaitValue32_v2(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                unsigned int flags);
 
 /* ---- capture and graphs ------------------------------------------------------------------ */
 CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode);

@@ -1,107 +1,154 @@
-//! cudarc and cuda-stream-pool together: the pool adopts cudarc's context, cudarc launches its
-//! kernels on pooled streams, and buffers of both crates are ordered across streams.
+//! A candle-style service on cudarc, with a pooled stream per request:
 //!
 //!   cargo run --release --features cudarc --example cudarc_interop     # needs a GPU
 //!
-//! Ownership rules shown here:
-//! * the context belongs to cudarc (`CudaContext`); `Context::adopt` never releases it, and keeps
-//!   the `Arc<CudaContext>` it is given alive until everything of this crate made from it is gone;
-//! * a pooled stream belongs to its owner: the cudarc wrapper from `wrap_borrowed_stream` (which
-//!   never destroys the stream) and every cudarc slice used on it must be dropped before the owner;
-//! * cudarc orders its own slices across its streams with events; between the crates, order with
-//!   `StreamRef::wait_for` (or `DeviceBuffer::use_on` for this crate's buffers: launch on the
-//!   `BufferUse::ptr` while the guard it returns lives).
+//! * the context is cudarc's: `Context::from_cudarc` adopts it safely (keeps the
+//!   `Arc<CudaContext>` alive, no `unsafe`);
+//! * every request is an `Owner` and runs cudarc's own API (allocations, kernels, copies) on its
+//!   pooled stream, lent as an `Arc<CudaStream>` (`StreamRef::cudarc_stream`);
+//! * "weights" (a cudarc slice) and an accumulator (this crate's `DeviceBuffer`, passed to
+//!   cudarc launches through `DeviceBuffer::cudarc_use`) are shared by all requests, across
+//!   threads and streams: cudarc orders its slices with events, the crate orders its buffers
+//!   by generation;
+//! * some requests hand their result (a cudarc slice) to the caller: the slice outlives the
+//!   request's owner, and its stream stays out of the pool until the slice is gone.
+//!
+//! Without a GPU it returns an error (no panic).
 
-use cuda_stream_pool::driver::{self, Choice};
 use cuda_stream_pool::{Context, DeviceBuffer};
-use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
 
-pub fn run() -> Result<(), Box<dyn std::error::Error>> {
-    // This crate's loader first: without a GPU it returns an error, where cudarc's dynamic
-    // loading would panic.
-    let (drv, _) = driver::load(Choice::Cuda)?;
-    let cu = CudaContext::new(0)?;
-    let raw = driver::Context(cu.cu_ctx() as usize as u64);
-    // SAFETY: `raw` is cudarc's live context, and the `Arc<CudaContext>` passed as `keep_alive`
-    // keeps it alive until this state and everything made from it are gone.
-    let ctx = unsafe { Context::adopt(drv, raw, Some(Box::new(cu.clone()))) }?;
-    let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
-    let module = cu.load_module(cudarc::nvrtc::Ptx::from_src(src))?;
-    let (add_one, sum) = (
-        module.load_function("csp_add_one_f32")?,
-        module.load_function("csp_sum_f32")?,
-    );
-    let n = 1 << 16;
-    let cfg = LaunchConfig {
+const N: usize = 1 << 14;
+
+struct Model {
+    ctx: Context,
+    add_one: CudaFunction,
+    sum: CudaFunction,
+    /// Shared read-only input, a cudarc slice.
+    weights: CudaSlice<f32>,
+    /// Shared accumulator, a buffer of this crate.
+    total: DeviceBuffer<f32>,
+}
+
+fn cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
         grid_dim: ((n as u32).div_ceil(256), 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// One request on its own pooled stream: x = weights + 1 (cudarc), total += sum(x) (a cudarc
+/// launch on this crate's buffer). Returns x, which may outlive the request's owner.
+fn request(m: &Model) -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
+    let owner = m.ctx.owner();
+    let s = owner.stream()?;
+    let cs = s.cudarc_stream()?;
+    let mut x = cs.clone_dtod(&m.weights)?;
+    let n = N as u32;
+    // SAFETY: csp_add_one_f32(float *x, unsigned n) with a slice of n floats.
+    unsafe {
+        cs.launch_builder(&m.add_one)
+            .arg(&mut x)
+            .arg(&n)
+            .launch(cfg(N))?
     };
-    let mut checked = 0;
-    for _ in 0..100 {
-        let (a, b) = (ctx.owner(), ctx.owner());
-        let (sa, sb) = (a.stream()?, b.stream()?);
-        {
-            // SAFETY: the pooled streams are valid streams of cudarc's context and outlive the
-            // wrappers (dropped at the end of this block, before the owners).
-            let (ca, cb) = unsafe {
-                (
-                    cu.wrap_borrowed_stream(sa.raw().0 as usize as cudarc::driver::sys::CUstream),
-                    cu.wrap_borrowed_stream(sb.raw().0 as usize as cudarc::driver::sys::CUstream),
-                )
-            };
-            // cudarc's buffer, written by cudarc's launch on owner a's stream.
-            let mut x = ca.alloc_zeros::<f32>(n)?;
-            let n32 = n as u32;
-            // SAFETY: csp_add_one_f32(float *x, unsigned n) with a slice of n floats.
-            unsafe {
-                ca.launch_builder(&add_one)
-                    .arg(&mut x)
-                    .arg(&n32)
-                    .launch(cfg)?
-            };
-            // This crate's buffer on owner b's stream, ordered after a's work on the GPU.
-            let out = DeviceBuffer::<f32>::zeroed(&sb, 1)?;
-            sb.wait_for(&sa)?;
-            {
-                // The launch on sb uses `out`: it is enqueued while the buffer's use guard lives.
-                let use_out = out.use_on(&sb)?;
-                let out_ptr = use_out.ptr().0;
-                // SAFETY: csp_sum_f32(const float *x, float *out, unsigned n); `out` is this
-                // crate's allocation of one float, in use on sb (`use_out`) for this launch.
-                unsafe {
-                    cb.launch_builder(&sum)
-                        .arg(&x)
-                        .arg(&out_ptr)
-                        .arg(&n32)
-                        .launch(cfg)?
-                };
-            }
-            let got = out.to_vec(&sb)?[0];
-            if got != n as f32 {
-                return Err(format!("wrong sum {got}, expected {n}").into());
-            }
-            // cudarc's slice is freed on its stream (a's), which a still owns.
-            drop(x);
-            checked += 1;
+    {
+        let total = m.total.cudarc_use(&s)?;
+        let (total_ptr, _record) = total.device_ptr(&cs);
+        // SAFETY: csp_sum_f32(const float *x, float *out, unsigned n): x has n floats, `total`
+        // one, in use on this stream while `total` (the guard) lives, i.e. past this launch.
+        unsafe {
+            cs.launch_builder(&m.sum)
+                .arg(&x)
+                .arg(&total_ptr)
+                .arg(&n)
+                .launch(cfg(N))?
+        };
+    }
+    Ok(x)
+}
+
+pub fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let cu = CudaContext::new(0)?;
+    let ctx = Context::from_cudarc(&cu)?;
+    let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
+    let module = cu.load_module(cudarc::nvrtc::Ptx::from_src(src))?;
+    let setup = ctx.owner();
+    let s0 = setup.stream()?;
+    let cs0 = s0.cudarc_stream()?;
+    let model = Arc::new(Model {
+        ctx: ctx.clone(),
+        add_one: module.load_function("csp_add_one_f32")?,
+        sum: module.load_function("csp_sum_f32")?,
+        weights: cs0.clone_htod(&vec![1.0f32; N])?,
+        total: DeviceBuffer::<f32>::zeroed(&s0, 1)?,
+    });
+    drop(cs0);
+    drop(s0);
+    drop(setup);
+
+    let (threads, per_thread) = (4, 25);
+    let kept = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let m = model.clone();
+                sc.spawn(move || -> Result<Vec<CudaSlice<f32>>, String> {
+                    let mut kept = Vec::new();
+                    for i in 0..per_thread {
+                        let x = request(&m).map_err(|e| e.to_string())?;
+                        if (t + i) % 10 == 0 {
+                            kept.push(x); // outlives its request's owner
+                        }
+                    }
+                    Ok(kept)
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.join().map_err(|_| "a request thread panicked")??);
+        }
+        Ok::<_, Box<dyn std::error::Error>>(all)
+    })?;
+    let lent_out = ctx.stats().in_use;
+    // Every kept slice is read on its own (lent) stream, then dropped: their streams return.
+    for x in &kept {
+        let v = x.stream().clone_dtoh(x)?;
+        if v.iter().any(|&e| e != 2.0) {
+            return Err("a kept slice does not hold weights + 1".into());
         }
     }
+    let n_kept = kept.len();
+    drop(kept);
+    ctx.trim()?;
+    let owner = ctx.owner();
+    let total = model.total.to_vec(&owner.stream()?)?[0];
+    let expected = (threads * per_thread * N * 2) as f32;
+    if total != expected {
+        return Err(format!("total {total}, expected {expected}").into());
+    }
+    drop(owner);
     let st = ctx.stats();
     println!(
-        "ok: {checked} sums across cudarc and cuda-stream-pool buffers on pooled streams; \
-         streams created {}, hand-overs {}",
-        st.created, st.hits
+        "ok: {} requests on pooled streams with cudarc kernels, total {total}; {n_kept} results \
+         outlived their requests (streams still lent then: {lent_out}; after: {}); streams \
+         created {}, hand-overs {}",
+        threads * per_thread,
+        st.in_use,
+        st.created,
+        st.hits
     );
     Ok(())
 }
 
 #[allow(dead_code)]
-fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
     }
 }

@@ -29,6 +29,12 @@ sed -n '/^#ifndef CSP_ABI_CHECK/,/^#endif \/\* CSP_ABI_CHECK/p' "$root/wrapper.h
   while read -r name value; do
     echo "_Static_assert($name == $value, \"$name differs from cuda.h\");"
   done < "$tmp/enums"
+  # wrapper.h's CUmemPoolProps is the CUDA 11.2 layout: same size and offsets of what it sets.
+  echo '#include <stddef.h>'
+  echo '_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps size differs");'
+  echo '_Static_assert(offsetof(CUmemPoolProps, location) == 8, "CUmemPoolProps.location moved");'
+  echo '_Static_assert(offsetof(CUmemPoolProps, win32SecurityAttributes) == 16, "moved");'
+  echo '_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation size differs");' 
 } > "$tmp/enums.c"
 
 grep -oE '^CUresult (cu[A-Za-z0-9_]+)\(' "$root/wrapper.h" | sed -E 's/^CUresult (cu[A-Za-z0-9_]+)\(/\1/' > "$tmp/fns"

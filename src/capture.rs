@@ -81,6 +81,21 @@ pub struct CaptureGuard<'a> {
 impl<'a> StreamRef<'a> {
     /// Begins capturing this stream in thread-local mode.
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::DeviceBuffer;
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let mut b = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// b.fill(&s, 1).unwrap();                        // recorded, not run
+    /// let graph = g.end().unwrap();
+    /// assert_eq!(graph.node_count().unwrap(), 1);
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![0; 4]);
+    /// ```
+    ///
     /// # Errors
     /// As [`StreamRef::begin_capture_with`].
     pub fn begin_capture(&self) -> Result<CaptureGuard<'a>> {
@@ -134,6 +149,16 @@ impl std::fmt::Debug for CaptureGuard<'_> {
 
 impl<'a> CaptureGuard<'a> {
     /// The stream being captured.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// assert!(g.stream().same_stream(&s));
+    /// ```
     pub fn stream(&self) -> &StreamRef<'a> {
         &self.stream
     }
@@ -201,6 +226,21 @@ impl<'a> CaptureGuard<'a> {
     /// Ends the capture and returns the graph. An invalidated capture reports its error here and
     /// leaves the stream not capturing.
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::ErrorCode;
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// // A call that a capture forbids, made on the capturing thread outside the crate:
+    /// assert!(ctx.driver().ctx_synchronize().is_err());
+    /// let e = g.end().unwrap_err();
+    /// assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
+    /// assert!(!s.is_capturing().unwrap());           // the stream is usable again
+    /// ```
+    ///
     /// # Errors
     /// The driver's error, e.g. `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
     pub fn end(mut self) -> Result<Graph> {
@@ -246,12 +286,38 @@ impl std::fmt::Debug for Graph {
 }
 
 impl Graph {
-    /// The raw handle.
+    /// The raw handle, valid while the graph lives.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let graph = s.begin_capture().unwrap().end().unwrap();
+    /// // SAFETY: the handle is live while `graph` is.
+    /// let n = unsafe { ctx.driver().graph_node_count(graph.raw()) }.unwrap();
+    /// assert_eq!(n, graph.node_count().unwrap());
+    /// ```
     pub fn raw(&self) -> driver::Graph {
         self.raw
     }
 
     /// Number of nodes.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::DeviceBuffer;
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let mut b = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// b.fill(&s, 1.0).unwrap();
+    /// b.fill(&s, 2.0).unwrap();
+    /// assert_eq!(g.end().unwrap().node_count().unwrap(), 2);
+    /// ```
     ///
     /// # Errors
     /// The driver's error.
@@ -261,6 +327,21 @@ impl Graph {
     }
 
     /// Instantiates the graph. The graph is destroyed either way (on failure too: nothing leaks).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::DeviceBuffer;
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let mut b = DeviceBuffer::<u32>::zeroed(&s, 2).unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// b.fill(&s, 5).unwrap();
+    /// let exec = g.end().unwrap().instantiate().unwrap();
+    /// exec.launch(&s).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![5, 5]);
+    /// ```
     ///
     /// # Errors
     /// The driver's error.
@@ -323,13 +404,44 @@ impl std::fmt::Debug for GraphExec {
 }
 
 impl GraphExec {
-    /// The raw handle.
+    /// The raw handle, valid while the executable graph lives. Launch through
+    /// [`GraphExec::launch`]: a raw launch is not a use of the graph's buffers.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let exec = s.begin_capture().unwrap().end().unwrap().instantiate().unwrap();
+    /// assert!(!exec.raw().is_null());
+    /// ```
     pub fn raw(&self) -> driver::GraphExec {
         self.raw
     }
 
     /// Launches the graph on a stream: a use of every buffer the graph uses (the stream is
     /// ordered after each one's last use, and becomes its last use).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::{kernels::Kernels, DeviceBuffer, Error};
+    /// let k = Kernels::load(&ctx).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let x = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    /// let g = s.begin_capture().unwrap();
+    /// k.add_u32(&s, &x, 2).unwrap();
+    /// let exec = g.end().unwrap().instantiate().unwrap();
+    /// for _ in 0..3 {
+    ///     exec.launch(&s).unwrap();                  // each launch runs the kernel again
+    /// }
+    /// assert_eq!(x.to_vec(&s).unwrap(), vec![6; 4]);
+    /// let _capture = s.begin_capture().unwrap();
+    /// assert!(matches!(exec.launch(&s), Err(Error::CaptureInProgress(_))));
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a stream of another context;
@@ -357,6 +469,20 @@ impl GraphExec {
     }
 
     /// Uploads the graph's resources ahead of the first launch.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Error;
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let exec = s.begin_capture().unwrap().end().unwrap().instantiate().unwrap();
+    /// exec.upload(&s).unwrap();
+    /// let elsewhere = Context::primary(ctx.driver().clone(), 0).unwrap();   // another state
+    /// let other = elsewhere.owner();
+    /// assert!(matches!(exec.upload(&other.stream().unwrap()), Err(Error::InvalidArgument(_))));
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a stream of another context; the driver's error.

@@ -5,6 +5,7 @@
 
 use crate::driver::{
     self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
+    Stream,
 };
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{destroy_idle, Pool, PoolStats, Slot};
@@ -29,7 +30,7 @@ pub enum Priority {
     /// The least priority of the range (0 on the H200).
     Low,
     /// CUDA's default priority, 0 (the same stream priority as `Low` where the range starts at 0,
-    /// as on every current NVIDIA GPU).
+    /// as on every current NVIDIA GPU); the least priority for a range without 0.
     Normal,
     /// The greatest priority of the range (-5 on the H200).
     High,
@@ -56,12 +57,31 @@ pub struct PriorityRange {
 
 impl PriorityRange {
     /// Whether `p` lies in the range.
+    ///
+    /// ```
+    /// use cuda_stream_pool::PriorityRange;
+    /// let r = PriorityRange { least: 0, greatest: -5 };
+    /// assert!(r.contains(0) && r.contains(-3) && r.contains(-5));
+    /// assert!(!r.contains(1) && !r.contains(-6));
+    /// ```
     pub fn contains(&self, p: i32) -> bool {
         p <= self.least && p >= self.greatest
     }
 
     /// The number of `p`, or an error naming the range when a `Value` lies outside it (the driver
     /// would clamp it silently).
+    ///
+    /// ```
+    /// use cuda_stream_pool::{Error, Priority, PriorityRange};
+    /// let r = PriorityRange { least: 0, greatest: -5 };
+    /// assert_eq!(r.resolve(Priority::Low).unwrap(), 0);
+    /// assert_eq!(r.resolve(Priority::Normal).unwrap(), 0);
+    /// assert_eq!(r.resolve(Priority::High).unwrap(), -5);
+    /// assert!(matches!(r.resolve(Priority::Value(3)), Err(Error::InvalidArgument(_))));
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a [`Priority::Value`] outside the range.
     pub fn resolve(&self, p: Priority) -> Result<i32> {
         match p {
             Priority::Low => Ok(self.least),
@@ -76,6 +96,56 @@ impl PriorityRange {
                 self.least, self.greatest
             ))),
         }
+    }
+}
+
+/// Where the crate's [`crate::DeviceBuffer`]s allocate from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemPoolChoice {
+    /// A stream-ordered pool that the crate creates for the context (`cuMemPoolCreate`) and
+    /// destroys with it, keeping this many bytes of freed memory cached across
+    /// synchronizations. The device's default pool, which cudarc and other libraries use, is
+    /// left as it is.
+    Own {
+        /// The pool's release threshold (`u64::MAX` keeps all freed memory cached).
+        release_threshold: u64,
+    },
+    /// The device's default pool, used as configured; the crate changes none of its attributes.
+    DeviceDefault,
+}
+
+impl Default for MemPoolChoice {
+    /// The crate's own pool, keeping freed memory cached (`u64::MAX`).
+    fn default() -> Self {
+        MemPoolChoice::Own {
+            release_threshold: u64::MAX,
+        }
+    }
+}
+
+/// Options of a context's state ([`Context::primary_with`], [`Context::adopt_with`]).
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, ContextOptions, MemPoolChoice};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let opts = ContextOptions::default().mem_pool(MemPoolChoice::DeviceDefault);
+/// let ctx = Context::primary_with(drv.clone(), 0, &opts).unwrap();
+/// assert_eq!(ctx.mem_pool(), drv.device_default_mem_pool(ctx.device()).unwrap());
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ContextOptions {
+    /// Where buffers allocate from (default: the crate's own pool).
+    pub mem_pool: MemPoolChoice,
+}
+
+impl ContextOptions {
+    /// Sets where buffers allocate from.
+    #[must_use]
+    pub fn mem_pool(mut self, choice: MemPoolChoice) -> Self {
+        self.mem_pool = choice;
+        self
     }
 }
 
@@ -131,6 +201,20 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// A stream whose holder is gone while its loan is out: its pool (`None` for an
+/// `OwnedStream`'s) and its slot.
+type Parked = (Option<Arc<Pool>>, Arc<Slot>);
+
+/// What became of a lent stream whose holder is gone.
+enum LoanEnd {
+    /// The other crate holds no handle of it any more and it is not capturing: usable again.
+    Returned,
+    /// A handle of it is still out: kept aside, retried by later flushes.
+    Out,
+    /// Returned but left capturing by the other crate: never used again (leaked).
+    Stuck,
+}
+
 /// A free that could not be enqueued yet: its last stream is capturing, or the driver refused
 /// the ordered free. Retried (ordered) by [`CtxInner::flush_deferred`].
 struct Deferred {
@@ -153,6 +237,8 @@ pub(crate) struct CtxInner {
     other_pools: RwLock<Vec<Arc<Pool>>>,
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
+    /// Whether `mem_pool` was created by the crate (destroyed at teardown).
+    own_pool: bool,
     events: Mutex<Vec<Event>>,
     deferred: Mutex<Vec<Deferred>>,
     /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every
@@ -161,10 +247,16 @@ pub(crate) struct CtxInner {
     /// Streams of dropped `OwnedStream`s that could not be destroyed yet (their work did not
     /// complete, or the driver refused): destroyed by later flushes once idle, or at teardown.
     orphans: Mutex<Vec<Arc<Slot>>>,
+    /// Streams whose holder is gone while a handle lent to another crate (cudarc) still lives:
+    /// kept out of the pool, never destroyed, until the loan is returned (the pool of a pooled
+    /// stream, `None` for an `OwnedStream`'s).
+    lent: Mutex<Vec<Parked>>,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
+    /// Completion futures' flags, poller and staging memory, made on first use.
+    hub: OnceLock<Arc<crate::completion::Hub>>,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -194,15 +286,39 @@ impl std::fmt::Debug for Context {
 
 impl Context {
     /// The primary context of device `ordinal`, retained for as long as this state lives.
+    /// Every call makes a new state (its own pools), even for the same device.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let ctx = Context::primary(drv.clone(), 0).unwrap();
+    /// assert_eq!(ctx.device(), drv.device_get(0).unwrap());
+    /// assert!(Context::primary(drv, 1).is_err());     // the simulation has one device
+    /// ```
     ///
     /// # Errors
     /// The driver's error when it cannot initialise, find the device, retain its primary
-    /// context or create the disposal stream.
+    /// context, read its priority range or memory pool, or create the disposal stream;
+    /// [`Error::InvalidArgument`] when the driver reports an unusable priority range (reversed,
+    /// or wider than 1024).
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
+        Self::primary_with(driver, ordinal, &ContextOptions::default())
+    }
+
+    /// [`Context::primary`] with options.
+    ///
+    /// # Errors
+    /// As [`Context::primary`]; the driver's error when the crate's memory pool cannot be
+    /// created ([`MemPoolChoice::Own`]).
+    pub fn primary_with(
+        driver: Arc<dyn Driver>,
+        ordinal: i32,
+        options: &ContextOptions,
+    ) -> Result<Context> {
         driver.init()?;
         let device = driver.device_get(ordinal)?;
         let raw = driver.primary_ctx_retain(device)?;
-        match Self::build(driver.clone(), raw, device, true, None) {
+        match Self::build(driver.clone(), raw, device, true, None, options) {
             Ok(c) => Ok(c),
             Err(e) => {
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
@@ -236,11 +352,29 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a null context; the driver's error otherwise.
+    /// [`Error::InvalidArgument`] for a null context, or an unusable priority range (as for
+    /// [`Context::primary`]); the driver's error otherwise.
     pub unsafe fn adopt(
         driver: Arc<dyn Driver>,
         raw: driver::Context,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Context> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::adopt_with(driver, raw, keep_alive, &ContextOptions::default()) }
+    }
+
+    /// [`Context::adopt`] with options.
+    ///
+    /// # Safety
+    /// As [`Context::adopt`].
+    ///
+    /// # Errors
+    /// As [`Context::adopt`] and [`Context::primary_with`].
+    pub unsafe fn adopt_with(
+        driver: Arc<dyn Driver>,
+        raw: driver::Context,
+        keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+        options: &ContextOptions,
     ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
@@ -256,7 +390,7 @@ impl Context {
                 return Err(e);
             }
         };
-        Self::build(driver, raw, device, false, keep_alive)
+        Self::build(driver, raw, device, false, keep_alive, options)
     }
 
     fn build(
@@ -265,6 +399,7 @@ impl Context {
         device: Device,
         primary: bool,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+        options: &ContextOptions,
     ) -> Result<Context> {
         // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
         unsafe { driver.ctx_set_current(raw) }?;
@@ -275,14 +410,36 @@ impl Context {
                  {greatest} (greatest)"
             )));
         }
-        let mem_pool = driver.device_default_mem_pool(device)?;
-        // Keep freed memory cached across synchronizations (the default threshold, 0, returns it
-        // to the device at every synchronization).
-        // SAFETY: the device's default pool, just returned by the driver.
-        unsafe {
-            driver.mem_pool_set_attribute(mem_pool, MemPoolAttr::ReleaseThreshold, u64::MAX)
-        }?;
-        let disposal = driver.stream_create(stream_flags::NON_BLOCKING, 0)?;
+        let (mem_pool, own_pool) = match options.mem_pool {
+            MemPoolChoice::DeviceDefault => (driver.device_default_mem_pool(device)?, false),
+            MemPoolChoice::Own { release_threshold } => {
+                let pool = driver.mem_pool_create(device)?;
+                // SAFETY: the pool was just created, and nothing allocated from it yet.
+                let set = unsafe {
+                    driver.mem_pool_set_attribute(
+                        pool,
+                        MemPoolAttr::ReleaseThreshold,
+                        release_threshold,
+                    )
+                };
+                if let Err(e) = set {
+                    // SAFETY: ours, unused, destroyed once.
+                    let _ = unsafe { driver.mem_pool_destroy(pool) };
+                    return Err(e);
+                }
+                (pool, true)
+            }
+        };
+        let disposal = match driver.stream_create(stream_flags::NON_BLOCKING, 0) {
+            Ok(s) => s,
+            Err(e) => {
+                if own_pool {
+                    // SAFETY: ours, unused, destroyed once.
+                    let _ = unsafe { driver.mem_pool_destroy(mem_pool) };
+                }
+                return Err(e);
+            }
+        };
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
@@ -297,32 +454,67 @@ impl Context {
                 other_pools: RwLock::new(Vec::new()),
                 disposal: Arc::new(Slot::new(disposal, 0, stream_flags::NON_BLOCKING)),
                 mem_pool,
+                own_pool,
                 events: Mutex::new(Vec::new()),
                 deferred: Mutex::new(Vec::new()),
                 deferred_len: AtomicUsize::new(0),
                 orphans: Mutex::new(Vec::new()),
+                lent: Mutex::new(Vec::new()),
                 _keep_alive: keep_alive,
                 torn_down: false,
+                hub: OnceLock::new(),
             }),
         })
     }
 
     /// The driver this context runs on.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// assert_eq!(ctx.driver().kind(), "sim");
+    /// ```
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.inner.driver
     }
 
     /// The raw context handle.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// ctx.bind().unwrap();
+    /// assert_eq!(ctx.driver().ctx_get_current().unwrap(), ctx.raw());
+    /// ```
     pub fn raw(&self) -> driver::Context {
         self.inner.raw
     }
 
     /// The device.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::DeviceAttr;
+    /// let supported = ctx.driver().device_attribute(ctx.device(), DeviceAttr::MemoryPoolsSupported);
+    /// assert_eq!(supported.unwrap(), 1);
+    /// ```
     pub fn device(&self) -> Device {
         self.inner.device
     }
 
     /// The context's stream priority range.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let r = ctx.priority_range();
+    /// assert_eq!((r.least, r.greatest), (0, -5));       // the simulation's (an H200's) range
+    /// ```
     pub fn priority_range(&self) -> PriorityRange {
         self.inner.range
     }
@@ -330,17 +522,55 @@ impl Context {
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
     /// crate frees memory whose last stream was recycled. For diagnostics: the crate alone may
     /// enqueue on it.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// assert_ne!(owner.stream().unwrap().raw(), ctx.disposal_stream());
+    /// assert_eq!(ctx.live_streams(), 2);             // the owner's and the disposal stream
+    /// ```
     pub fn disposal_stream(&self) -> driver::Stream {
         self.inner.disposal.raw
     }
 
-    /// The default memory pool of the device, as configured by the crate.
+    /// The memory pool buffers allocate from: the crate's own (the default,
+    /// [`MemPoolChoice::Own`]) or the device's default pool ([`MemPoolChoice::DeviceDefault`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::MemPoolAttr;
+    /// assert_ne!(ctx.mem_pool(), ctx.driver().device_default_mem_pool(ctx.device()).unwrap());
+    /// // SAFETY: the crate's pool lives as long as the context.
+    /// let kept = unsafe {
+    ///     ctx.driver().mem_pool_get_attribute(ctx.mem_pool(), MemPoolAttr::ReleaseThreshold)
+    /// };
+    /// assert_eq!(kept.unwrap(), u64::MAX);
+    /// ```
     pub fn mem_pool(&self) -> MemPool {
         self.inner.mem_pool
     }
 
     /// Sets how many bytes of freed memory the memory pool keeps cached across synchronizations
-    /// (the crate sets `u64::MAX`, i.e. keep everything, when it creates the state).
+    /// (the crate's own pool starts at the threshold given in [`MemPoolChoice::Own`]). With
+    /// [`MemPoolChoice::DeviceDefault`] this changes the device's default pool, for every
+    /// library in the process: that is then your explicit choice.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::MemPoolAttr;
+    /// ctx.set_release_threshold(1 << 20).unwrap();
+    /// // SAFETY: the crate's pool lives as long as the context.
+    /// let kept = unsafe {
+    ///     ctx.driver().mem_pool_get_attribute(ctx.mem_pool(), MemPoolAttr::ReleaseThreshold)
+    /// };
+    /// assert_eq!(kept.unwrap(), 1 << 20);
+    /// ```
     ///
     /// # Errors
     /// The driver's error.
@@ -357,6 +587,18 @@ impl Context {
 
     /// Makes this context current on the calling thread, if it is not already.
     ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
+    /// use cuda_stream_pool::Context;
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::with_config(SimConfig { devices: 2, ..SimConfig::default() }));
+    /// let c0 = Context::primary(sim.clone(), 0).unwrap();
+    /// let c1 = Context::primary(sim.clone(), 1).unwrap();   // current now
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw());
+    /// c0.bind().unwrap();
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c0.raw());
+    /// ```
+    ///
     /// # Errors
     /// The driver's error.
     pub fn bind(&self) -> Result<()> {
@@ -364,6 +606,19 @@ impl Context {
     }
 
     /// `cuCtxSynchronize`, in relaxed capture mode (it invalidates no capture of any thread).
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::SimDriver, Context};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    /// sim.enqueue_work(sa.raw(), 1_000).unwrap();
+    /// sim.enqueue_work(sb.raw(), 2_000).unwrap();
+    /// ctx.synchronize().unwrap();                         // waits for every stream
+    /// assert!(sa.query().unwrap() && sb.query().unwrap());
+    /// ```
     ///
     /// # Errors
     /// The driver's error, e.g. a sticky error of earlier work.
@@ -396,11 +651,36 @@ impl Context {
 
     /// Streams of this context alive now: the pools' (held and retired) plus the disposal
     /// stream. Reads counters only (no driver call), so it is cheap enough to sample often.
+    /// Streams of [`crate::OwnedStream`]s are not counted.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// assert_eq!(ctx.live_streams(), 1);             // the disposal stream
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// a.stream().unwrap();
+    /// b.stream().unwrap();
+    /// assert_eq!(ctx.live_streams(), 3);
+    /// ```
     pub fn live_streams(&self) -> u64 {
         1 + self.inner.all_pools().iter().map(|p| p.live()).sum::<u64>()
     }
 
     /// Counters of the pool of one priority (non-blocking streams).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// let o = ctx.owner();
+    /// o.set_priority(Priority::High).unwrap();
+    /// o.stream().unwrap();
+    /// assert_eq!(ctx.stats_for(Priority::High).unwrap().in_use, 1);
+    /// assert_eq!(ctx.stats_for(Priority::Low).unwrap().in_use, 0);
+    /// assert!(ctx.stats_for(Priority::Value(-6)).is_err());
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a priority outside the context's range.
@@ -434,8 +714,23 @@ impl Context {
     /// Destroys every retired stream whose work has completed, and retries the frees that are
     /// still pending; returns how many streams were destroyed.
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
+    /// for o in &owners {
+    ///     o.stream().unwrap();
+    /// }
+    /// drop(owners);                                  // three idle streams in the pool
+    /// assert_eq!(ctx.trim().unwrap(), 3);
+    /// assert_eq!(ctx.stats().live, 0);
+    /// ```
+    ///
     /// # Errors
-    /// The first driver error of a destroy (the other streams are still trimmed).
+    /// The first driver error of a destroy (or of switching to relaxed capture mode). The other
+    /// streams of the pool where it happened are still trimmed; the pools after it are not, and
+    /// the count is lost.
     pub fn trim(&self) -> Result<usize> {
         self.inner.flush_deferred();
         let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
@@ -474,6 +769,12 @@ impl Context {
 }
 
 impl CtxInner {
+    /// The context's completion hub (made on first use; its memory and thread come later).
+    pub(crate) fn hub(&self) -> &Arc<crate::completion::Hub> {
+        self.hub
+            .get_or_init(|| crate::completion::Hub::new(self.driver.clone()))
+    }
+
     pub(crate) fn bind(&self) -> Result<()> {
         if self.driver.ctx_get_current()? != self.raw {
             // SAFETY: the context is live while this state lives (retained, or kept alive by
@@ -541,12 +842,86 @@ impl CtxInner {
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
     /// host-function thread: there it only puts the stream back, with no driver call).
-    pub(crate) fn release(&self, pool: &Pool, slot: Arc<Slot>) {
+    pub(crate) fn release(&self, pool: &Arc<Pool>, slot: Arc<Slot>) {
         let driver_ok = !on_host_fn_thread();
+        if slot.is_lent() {
+            match self.end_loan(&slot, driver_ok) {
+                LoanEnd::Returned => {}
+                LoanEnd::Out => return self.park(Some(pool.clone()), slot),
+                LoanEnd::Stuck => return,
+            }
+        }
         pool.release(&*self.driver, slot, driver_ok);
         if driver_ok {
             self.flush_deferred();
         }
+    }
+
+    /// What keeps an adopted context alive (see [`Context::adopt`]).
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn keep_alive(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        self._keep_alive.as_deref()
+    }
+
+    /// Orders later work on stream `after` after the work enqueued so far on `before` (raw
+    /// streams, e.g. another crate's).
+    ///
+    /// # Safety
+    /// As [`CtxInner::order`].
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) unsafe fn order_raw(&self, before: Stream, after: Stream) -> Result<()> {
+        let e = self.take_event()?;
+        // SAFETY: the event is ours; the caller keeps both streams live and not capturing.
+        let r = unsafe {
+            self.driver
+                .event_record(e, before)
+                .and_then(|_| self.driver.stream_wait_event(after, e))
+        };
+        self.give_event(e);
+        r
+    }
+
+    /// Whether `slot` is capturing: a capture guard of the crate captures it, or (for a stream
+    /// lent to another crate, which can begin captures behind the crate's back) the driver says
+    /// so. A failed query counts as capturing: the caller then refuses or defers, which is safe.
+    ///
+    /// # Safety
+    /// The stream must be live (held, or its generation current under its lock).
+    pub(crate) unsafe fn capturing(&self, slot: &Slot) -> bool {
+        if slot.is_capturing() {
+            return true;
+        }
+        if !slot.is_lent() {
+            return false;
+        }
+        // SAFETY: the caller keeps the stream live; `cuStreamIsCapturing` is allowed in every
+        // capture mode and invalidates nothing.
+        !matches!(
+            unsafe { self.driver.stream_is_capturing(slot.raw) },
+            Ok(driver::CaptureStatus::None)
+        )
+    }
+
+    /// Ends the loan of a stream whose holder is gone, if the other crate holds none of its
+    /// handles any more. A stream left capturing by the other crate is never used again (nor
+    /// destroyed: ending or destroying it could invalidate streams joined to that capture).
+    fn end_loan(&self, slot: &Slot, driver_ok: bool) -> LoanEnd {
+        if !driver_ok || !slot.loan_returned() {
+            // (On a host-function thread the capture check below is not possible: kept.)
+            return LoanEnd::Out;
+        }
+        // SAFETY: the stream is live: its holder is gone but nothing destroyed it.
+        match unsafe { self.driver.stream_is_capturing(slot.raw) } {
+            Ok(driver::CaptureStatus::None) => LoanEnd::Returned,
+            _ => LoanEnd::Stuck,
+        }
+    }
+
+    /// Keeps a stream whose loan is still out, for a later flush.
+    fn park(&self, pool: Option<Arc<Pool>>, slot: Arc<Slot>) {
+        let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+        list.push((pool, slot));
+        self.deferred_len.fetch_add(1, Ordering::AcqRel);
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
@@ -630,7 +1005,8 @@ impl CtxInner {
             // stream lives as long as this state and is never captured.
             return unsafe { self.free_on(ptr, &self.disposal) }.is_ok();
         }
-        if st.capturing {
+        // SAFETY: the stream is live (generation current, under its lock).
+        if st.capturing || unsafe { self.capturing(slot) } {
             return false;
         }
         // SAFETY: the stream is live (generation current, under its lock) and not capturing;
@@ -665,6 +1041,13 @@ impl CtxInner {
     /// Destroys a dropped `OwnedStream`'s stream once its work has completed, or keeps it for
     /// a later flush (never destroyed under its work).
     pub(crate) fn destroy_or_keep(&self, slot: Arc<Slot>, wait: bool) {
+        if slot.is_lent() {
+            match self.end_loan(&slot, !on_host_fn_thread()) {
+                LoanEnd::Returned => {}
+                LoanEnd::Out => return self.park(None, slot),
+                LoanEnd::Stuck => return,
+            }
+        }
         let done = CaptureModeGuard::relaxed(&*self.driver)
             .ok()
             .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
@@ -709,6 +1092,17 @@ impl CtxInner {
         for slot in orphans {
             self.destroy_or_keep(slot, wait);
         }
+        let lent = {
+            let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
+            std::mem::take(&mut *list)
+        };
+        for (pool, slot) in lent {
+            match pool {
+                Some(pool) => self.release(&pool, slot),
+                None => self.destroy_or_keep(slot, wait),
+            }
+        }
     }
 }
 
@@ -734,6 +1128,7 @@ impl Drop for CtxInner {
                 )),
                 disposal: self.disposal.clone(),
                 mem_pool: self.mem_pool,
+                own_pool: self.own_pool,
                 events: Mutex::new(std::mem::take(
                     self.events.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
@@ -744,8 +1139,12 @@ impl Drop for CtxInner {
                 orphans: Mutex::new(std::mem::take(
                     self.orphans.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
+                lent: Mutex::new(std::mem::take(
+                    self.lent.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,
+                hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
             };
             self.torn_down = true;
             off_host_fn_thread(move || drop(moved));
@@ -765,6 +1164,10 @@ impl Drop for CtxInner {
             let _ = p.drain(&*self.driver, true);
         }
         self.flush(true);
+        if let Some(h) = self.hub.get() {
+            // Every stream has been drained: the completions' writes and copies have landed.
+            h.shutdown();
+        }
         // Frees still pending here are leaked (their stream is captured by a leaked guard, or
         // the driver refuses): leaking is safe, freeing unordered is not.
         {
@@ -784,6 +1187,12 @@ impl Drop for CtxInner {
         {
             // SAFETY: the cached events are ours; nothing records them any more.
             let _ = unsafe { self.driver.event_destroy(e) };
+        }
+        if self.own_pool {
+            // SAFETY: the crate's pool, destroyed once; every buffer of this state is gone, so
+            // nothing allocates from it again. The driver keeps the memory of allocations still
+            // outstanding (frees in flight, or leaked above) until they are freed.
+            let _ = unsafe { self.driver.mem_pool_destroy(self.mem_pool) };
         }
         if self.primary {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.

@@ -24,6 +24,12 @@ macro_rules! codes {
             )*
             /// The driver's name for this code, e.g. `CUDA_ERROR_ILLEGAL_STATE`, when the crate
             /// knows it.
+            ///
+            /// ```
+            /// use cuda_stream_pool::ErrorCode;
+            /// assert_eq!(ErrorCode::ERROR_NOT_READY.known_name(), Some("CUDA_ERROR_NOT_READY"));
+            /// assert_eq!(ErrorCode(12345).known_name(), None);
+            /// ```
             pub fn known_name(self) -> Option<&'static str> {
                 match self.0 {
                     $($value => Some(concat!("CUDA_", stringify!($name))),)*
@@ -116,6 +122,13 @@ pub enum Error {
 
 impl Error {
     /// The driver's result code, for [`Error::Driver`].
+    ///
+    /// ```
+    /// use cuda_stream_pool::{Error, ErrorCode};
+    /// let e = Error::driver(ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
+    /// assert_eq!(e.code(), Some(ErrorCode::ERROR_OUT_OF_MEMORY));
+    /// assert_eq!(Error::InvalidArgument("x".into()).code(), None);
+    /// ```
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             Error::Driver { code, .. } => Some(*code),
@@ -123,7 +136,18 @@ impl Error {
         }
     }
 
-    /// Builds a driver error whose name comes from the crate's table.
+    /// Builds a driver error whose name comes from the crate's table (`CUDA_ERROR_(unnamed)` for
+    /// a code the crate does not name), for example in a [`crate::driver::Driver`] of your own.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{Error, ErrorCode};
+    /// let e = Error::driver(ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
+    /// assert_eq!(e.to_string(), "cuMemAllocAsync failed: CUDA_ERROR_OUT_OF_MEMORY (2)");
+    /// assert_eq!(
+    ///     Error::driver(ErrorCode(12345), "cuInit").to_string(),
+    ///     "cuInit failed: CUDA_ERROR_(unnamed) (12345)"
+    /// );
+    /// ```
     pub fn driver(code: ErrorCode, call: &'static str) -> Error {
         Error::Driver {
             code,

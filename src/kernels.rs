@@ -88,7 +88,26 @@ fn grid(n: usize) -> Result<([u32; 3], u32)> {
 }
 
 impl Kernels {
-    /// Loads the module into `ctx`.
+    /// Loads the module into `ctx` (made current on the calling thread).
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::SimDriver, kernels::Kernels, Context};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let k = Kernels::load(&ctx).unwrap();
+    /// assert_eq!(sim.counters().live_modules, 1);
+    /// drop(k);                                       // unloaded once the context's work is done
+    /// assert_eq!(sim.counters().live_modules, 0);
+    /// ```
+    ///
+    /// # Errors
+    /// The driver's error when the context cannot be made current or the module cannot be loaded
+    /// (e.g. `CUDA_ERROR_UNSUPPORTED_PTX_VERSION` on a driver older than the PTX), or when one
+    /// of its kernels is missing (the module is unloaded again).
+    ///
+    /// # Panics
+    /// Never: the embedded PTX ends with its one NUL byte (checked by every test that loads it).
     pub fn load(ctx: &Context) -> Result<Kernels> {
         let ci = &ctx.inner;
         ci.bind()?;
@@ -160,7 +179,7 @@ impl Kernels {
         let ci = &self.inner.ctx.inner;
         // The function belongs to this context's module: launch with the context current.
         ci.bind()?;
-        if s.slot.is_capturing() {
+        if s.capturing_now() {
             // The graph will launch the kernel: it keeps the module loaded.
             let m: CapturedUse = self.inner.clone();
             s.slot.lock().add_captured(m);
@@ -177,6 +196,18 @@ impl Kernels {
     }
 
     /// `x[i] += 1` on `s`.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, kernels::Kernels, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let k = Kernels::load(&ctx).unwrap();
+    /// let x = DeviceBuffer::from_slice(&s, &[1.0f32, 2.0]).unwrap();
+    /// k.add_one(&s, &x).unwrap();
+    /// assert_eq!(x.to_vec(&s).unwrap(), vec![2.0, 3.0]);
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for objects of different contexts or a buffer longer than
@@ -197,6 +228,20 @@ impl Kernels {
     }
 
     /// `out[0] += sum(x)` on `s`.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, kernels::Kernels, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let k = Kernels::load(&ctx).unwrap();
+    /// let x = DeviceBuffer::from_slice(&s, &[1.0f32, 2.0, 3.0]).unwrap();
+    /// let out = DeviceBuffer::from_slice(&s, &[10.0f32]).unwrap();
+    /// k.sum(&s, &x, &out).unwrap();
+    /// assert_eq!(out.to_vec(&s).unwrap(), vec![16.0]);
+    /// assert!(k.sum(&s, &x, &x).is_err());          // one buffer twice
+    /// ```
     ///
     /// # Errors
     /// As [`Kernels::add_one`]; [`Error::InvalidArgument`] when `x` and `out` are one buffer.
@@ -226,6 +271,18 @@ impl Kernels {
     }
 
     /// `x[i] += v` on `s`.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, kernels::Kernels, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let k = Kernels::load(&ctx).unwrap();
+    /// let x = DeviceBuffer::from_slice(&s, &[1u32, 2, 3]).unwrap();
+    /// k.add_u32(&s, &x, 10).unwrap();
+    /// assert_eq!(x.to_vec(&s).unwrap(), vec![11, 12, 13]);
+    /// ```
     ///
     /// # Errors
     /// As [`Kernels::add_one`].

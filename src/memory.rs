@@ -116,11 +116,37 @@ impl std::fmt::Debug for BufferUse<'_> {
 
 impl BufferUse<'_> {
     /// The device pointer, for the work enqueued while the guard lives.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let buf = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    /// {
+    ///     let u = buf.use_on(&s).unwrap();
+    ///     // SAFETY: the allocation holds 4 words and stays live, ordered on `s`, while `u`
+    ///     // lives; `s` is held by its owner.
+    ///     unsafe { ctx.driver().memset_d32_async(u.ptr(), 9, 4, s.raw()) }.unwrap();
+    /// }                                              // `s` is recorded as the last use
+    /// assert_eq!(buf.to_vec(&s).unwrap(), vec![9; 4]);
+    /// ```
     pub fn ptr(&self) -> DevicePtr {
         self.core.ptr
     }
 
     /// The allocation's size in bytes.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let buf = DeviceBuffer::<f32>::zeroed(&s, 256).unwrap();
+    /// assert_eq!(buf.use_on(&s).unwrap().bytes(), 1024);
+    /// ```
     pub fn bytes(&self) -> usize {
         self.core.bytes
     }
@@ -157,12 +183,14 @@ impl BufCore {
             new: None,
         };
         let (slot, gen) = (&stream.slot, stream.gen);
-        let capturing = slot.is_capturing();
+        let capturing = stream.capturing_now();
         if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
             let prev = u.last.slot.clone();
             let st = prev.lock();
+            // SAFETY (capturing): the previous stream is live (generation current, under its
+            // lock).
             if st.is_live(u.last.gen) {
-                if st.capturing {
+                if st.capturing || unsafe { self.ctx.inner.capturing(&prev) } {
                     return Err(Error::CaptureInProgress(
                         "the buffer's last use is in a capture in progress on another stream; \
                          end the capture before using the buffer elsewhere"
@@ -358,6 +386,17 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Allocates on `stream` and copies `data` in (blocking until the copy has completed).
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::from_slice(&s, &[1u8, 2, 3]).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![1, 2, 3]);
+    /// assert!(DeviceBuffer::<u8>::from_slice(&s, &[]).is_err());   // no empty allocations
+    /// ```
+    ///
     /// # Errors
     /// As [`DeviceBuffer::alloc`] and [`DeviceBuffer::copy_from_host`].
     pub fn from_slice(stream: &StreamRef<'_>, data: &[T]) -> Result<Self> {
@@ -367,22 +406,62 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     /// Number of elements.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<u16>::alloc(&s, 7).unwrap();
+    /// assert_eq!(b.len(), 7);
+    /// ```
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether the buffer has no elements (never: empty allocations are rejected).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// assert!(!DeviceBuffer::<u8>::alloc(&s, 1).unwrap().is_empty());
+    /// assert!(DeviceBuffer::<u8>::alloc(&s, 0).is_err());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// The device pointer. Work that uses it must be enqueued while a [`BufferUse`] of the
     /// buffer on that stream is alive ([`DeviceBuffer::use_on`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<f64>::zeroed(&s, 2).unwrap();
+    /// assert_eq!(b.as_raw(), b.use_on(&s).unwrap().ptr());
+    /// ```
     pub fn as_raw(&self) -> DevicePtr {
         self.core.ptr
     }
 
     /// The context the memory belongs to.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<f32>::zeroed(&s, 2).unwrap();
+    /// assert_eq!(b.context().raw(), ctx.raw());
+    /// ```
     pub fn context(&self) -> &Context {
         &self.core.ctx
     }
@@ -391,6 +470,28 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// the GPU, when the last stream's generation is unchanged; not at all when it was
     /// recycled), and returns the guard while which the work is enqueued; dropping the guard
     /// records `stream` as the last use. See [`BufferUse`].
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::SimDriver, Context, DeviceBuffer};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    /// let buf = DeviceBuffer::<u32>::zeroed(&sa, 1024).unwrap();
+    /// {
+    ///     let u = buf.use_on(&sa).unwrap();
+    ///     // work on `sa` that writes the buffer (here simulated: 1000 ns of writes)
+    ///     sim.enqueue_access(sa.raw(), u.ptr(), u.bytes(), true, 1_000).unwrap();
+    /// }
+    /// {
+    ///     let u = buf.use_on(&sb).unwrap();          // `sb` now waits for that work, on the GPU
+    ///     sim.enqueue_access(sb.raw(), u.ptr(), u.bytes(), false, 1_000).unwrap();
+    /// }
+    /// assert_eq!(buf.last_use().0, sb.raw());
+    /// sb.synchronize().unwrap();
+    /// assert!(sim.findings().is_empty());            // the simulation saw no race
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a stream of another context, or when this thread already
@@ -531,6 +632,20 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// until `stream.synchronize()` returns). For pageable memory the driver reads `src` before
     /// returning; for page-locked memory it reads it later.
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let mut b = DeviceBuffer::<i32>::alloc(&s, 3).unwrap();
+    /// let src = vec![7, 8, 9];
+    /// // SAFETY: `src` is neither dropped nor changed before `s.synchronize()` returns.
+    /// unsafe { b.copy_from_host_async(&s, &src) }.unwrap();
+    /// s.synchronize().unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), src);
+    /// ```
+    ///
     /// # Errors
     /// As [`DeviceBuffer::copy_from_host`].
     pub unsafe fn copy_from_host_async(&mut self, stream: &StreamRef<'_>, src: &[T]) -> Result<()> {
@@ -549,6 +664,20 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Safety
     /// `dst` must stay valid, and must be neither read nor written by the host, until the copy has
     /// completed on the GPU (for example until `stream.synchronize()` returns).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::from_slice(&s, &[1.5f32, 2.5]).unwrap();
+    /// let mut dst = vec![0.0f32; 2];
+    /// // SAFETY: `dst` is neither read, written nor dropped before `s.synchronize()` returns.
+    /// unsafe { b.copy_to_host_async(&s, &mut dst) }.unwrap();
+    /// s.synchronize().unwrap();
+    /// assert_eq!(dst, [1.5, 2.5]);
+    /// ```
     ///
     /// # Errors
     /// As [`DeviceBuffer::copy_from_host`].
@@ -571,6 +700,16 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     /// Copies the buffer into a new vector on `stream`; returns once the copy has completed.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::from_slice(&s, &[4u32, 5, 6]).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![4, 5, 6]);
+    /// ```
     ///
     /// # Errors
     /// As [`DeviceBuffer::copy_to_host`].
@@ -614,11 +753,32 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// The stream and generation of the last use, for tests and diagnostics: (raw stream,
     /// generation, whether that generation is still live).
     ///
-    /// # Panics
-    /// Never; blocks while another thread holds a [`BufferUse`] of the buffer.
-    pub fn last_use(&self) -> (crate::driver::Stream, u64, bool) {
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let buf = {
+    ///     let first = ctx.owner();
+    ///     let s = first.stream().unwrap();
+    ///     let buf = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    ///     assert_eq!(buf.last_use().unwrap(), (s.raw(), s.generation(), true));
+    ///     buf
+    /// };                                         // the owner is gone, its stream retired
+    /// assert!(buf.last_use().unwrap().2);                 // not handed over yet: still live
+    /// let next = ctx.owner();
+    /// let s = next.stream().unwrap();            // the same stream, a new generation
+    /// assert_eq!(buf.last_use().unwrap().0, s.raw());
+    /// assert!(!buf.last_use().unwrap().2);                // `buf` neither waits for `next` nor frees on `s`
+    /// ```
+    ///
+    /// Blocks while another thread holds a [`BufferUse`] of the buffer; `None` while the calling
+    /// thread holds one (the use is not recorded yet, and waiting for it would never end).
+    pub fn last_use(&self) -> Option<(crate::driver::Stream, u64, bool)> {
+        if self.core.holder.load(Ordering::Acquire) == thread_tag() {
+            return None;
+        }
         let last = self.core.last.lock().unwrap_or_else(|p| p.into_inner());
         let live = last.slot.lock().is_live(last.gen);
-        (last.slot.raw, last.gen, live)
+        Some((last.slot.raw, last.gen, live))
     }
 }

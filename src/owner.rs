@@ -69,7 +69,18 @@ impl std::fmt::Debug for Owner {
 }
 
 impl Owner {
-    /// A new owner at normal priority, holding no stream yet.
+    /// A new owner at normal priority, holding no stream yet (the same as [`Context::owner`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Owner};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = Owner::new(&ctx);
+    /// assert!(o.streams().is_empty());              // nothing taken before the first use
+    /// assert_eq!(o.priority(), 0);                  // normal priority
+    /// o.stream().unwrap();
+    /// assert_eq!(ctx.stats().in_use, 1);
+    /// ```
     pub fn new(ctx: &Context) -> Owner {
         Self::with_flags(ctx, stream_flags::NON_BLOCKING)
     }
@@ -100,6 +111,14 @@ impl Owner {
     }
 
     /// The context.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// assert_eq!(o.context().raw(), ctx.raw());
+    /// ```
     pub fn context(&self) -> &Context {
         &self.ctx
     }
@@ -118,10 +137,25 @@ impl Owner {
         self.inner.borrow().current
     }
 
-    /// The owner's stream at its selected priority, taken from the pool on first use.
+    /// The owner's stream at its selected priority, taken from the pool on first use (a retired
+    /// stream whose work has completed, else a new one); later calls return the same stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let o = ctx.owner();
+    /// let s = o.stream().unwrap();
+    /// assert!(s.same_stream(&o.stream().unwrap()));  // one stream per priority
+    /// drop(s);
+    /// drop(o);                                       // the stream goes back to the pool ...
+    /// let next = ctx.owner();
+    /// next.stream().unwrap();                        // ... and is handed to the next owner
+    /// assert_eq!((ctx.stats().created, ctx.stats().hits), (1, 1));
+    /// ```
     ///
     /// # Errors
-    /// The driver's error when a stream has to be created and cannot be.
+    /// The driver's error when a stream has to be taken from the pool or created and cannot be.
     pub fn stream(&self) -> Result<StreamRef<'_>> {
         let mut inner = self.inner.borrow_mut();
         let p = inner.current;
@@ -185,8 +219,9 @@ impl Owner {
     ///
     /// # Errors
     /// Changing nothing: `p` outside the context's range ([`Error::InvalidArgument`] naming the
-    /// range), or the current stream being captured ([`Error::CaptureInProgress`]); the driver's
-    /// error when the new stream cannot be made or ordered.
+    /// range), or the current stream, or the owner's stream of priority `p`, being captured
+    /// ([`Error::CaptureInProgress`]). The driver's error when the new stream cannot be made or
+    /// ordered (the priority stays as it was; a stream already taken stays with the owner).
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         let value = self.ctx.inner.range.resolve(p)?;
         self.select(value)
@@ -198,7 +233,8 @@ impl Owner {
             return Ok(());
         }
         if let Some(prev) = inner.find(inner.current).map(|h| h.slot.clone()) {
-            if prev.is_capturing() {
+            // SAFETY: held by this owner: live.
+            if unsafe { self.ctx.inner.capturing(&prev) } {
                 return Err(Error::CaptureInProgress(format!(
                     "cannot change priority from {} to {value} while the owner's stream is \
                      capturing",
@@ -206,7 +242,8 @@ impl Owner {
                 )));
             }
             let next = self.held_or_acquire(&mut inner, value)?.slot.clone();
-            if next.is_capturing() {
+            // SAFETY: held by this owner: live.
+            if unsafe { self.ctx.inner.capturing(&next) } {
                 // A reference taken while it was selected began a capture of it: waiting on
                 // outside work would invalidate that capture.
                 return Err(Error::CaptureInProgress(format!(
@@ -271,7 +308,20 @@ impl Owner {
         restored.map(|_| r)
     }
 
-    /// The streams the owner holds now: (priority, stream).
+    /// The streams the owner holds now: (priority, stream), in the order they were taken.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// let o = ctx.owner();
+    /// assert!(o.streams().is_empty());
+    /// o.stream().unwrap();
+    /// o.set_priority(Priority::High).unwrap();
+    /// let held: Vec<i32> = o.streams().iter().map(|(p, _)| *p).collect();
+    /// assert_eq!(held, vec![0, ctx.priority_range().greatest]);
+    /// ```
     pub fn streams(&self) -> Vec<(i32, StreamRef<'_>)> {
         self.inner
             .borrow()
@@ -284,6 +334,70 @@ impl Owner {
                 )
             })
             .collect()
+    }
+}
+
+impl Owner {
+    /// Makes this owner the current one of its context for `fut`: set during each poll (on
+    /// whichever thread polls), restored after, also when the poll panics. See [`Attached`].
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let mine = owner.stream().unwrap().raw();
+    /// let c = ctx.clone();
+    /// let task = owner.attach(async move {
+    ///     // Library code deep inside the task: the task's stream, not the thread's.
+    ///     c.stream().unwrap().raw()
+    /// });
+    /// fn assert_send<T: Send>(_: &T) {}
+    /// assert_send(&task);
+    /// let seen = futures_lite_block_on(task);
+    /// assert_eq!(seen, mine);
+    /// # fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
+    /// #     struct W; impl std::task::Wake for W { fn wake(self: std::sync::Arc<Self>) {} }
+    /// #     let w = std::task::Waker::from(std::sync::Arc::new(W));
+    /// #     let mut cx = std::task::Context::from_waker(&w);
+    /// #     let mut f = std::pin::pin!(f);
+    /// #     loop { if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; } }
+    /// # }
+    /// ```
+    pub fn attach<F: std::future::Future>(self, fut: F) -> Attached<F> {
+        Attached {
+            owner: Some(self),
+            fut,
+        }
+    }
+
+    /// A fresh owner to continue with after `escaped` was kept by references that outlived a
+    /// poll: same flags and priority, its stream ordered after the escaped one's work.
+    fn after_escape(escaped: &Owner) -> Owner {
+        let fresh = Owner::with_flags(&escaped.ctx, escaped.flags);
+        let (current, prev) = match escaped.inner.try_borrow() {
+            Ok(i) => (i.current, i.find(i.current).map(|h| h.slot.clone())),
+            Err(_) => (fresh.priority(), None),
+        };
+        {
+            let mut inner = fresh.inner.borrow_mut();
+            inner.current = current;
+            if let Some(prev) = prev {
+                // Order the fresh stream after the escaped one. If that is impossible (the
+                // escaped stream is capturing, or the driver fails), memory stays safe (every
+                // buffer use is ordered by events); only the task's stream order across the
+                // escape is lost.
+                if let Ok(h) = fresh.held_or_acquire(&mut inner, current) {
+                    let next = h.slot.clone();
+                    if !prev.is_capturing() && !next.is_capturing() {
+                        // SAFETY: both streams are held (by the escaped owner, kept alive by
+                        // `escaped`, and by `fresh`), on this thread, and neither is capturing.
+                        let _ = unsafe { escaped.ctx.inner.order(&prev, &next) };
+                    }
+                }
+            }
+        }
+        fresh
     }
 }
 
@@ -300,10 +414,122 @@ type ThreadOwners = RefCell<SmallVec<[(u64, Rc<Owner>); 1]>>;
 
 thread_local! {
     static IMPLICIT: ThreadOwners = RefCell::new(SmallVec::new());
+    /// Owners made current by [`Attached`] futures while they are polled, innermost last.
+    static ATTACHED: ThreadOwners = RefCell::new(SmallVec::new());
+}
+
+/// A future with an [`Owner`] that is the *current* owner of its context while the future is
+/// polled: [`Context::stream`], [`Context::with_thread_owner`] and [`Context::set_priority`]
+/// called (by any code, however deep) during a poll act on this owner, not on the worker
+/// thread's implicit owner. Made by [`Owner::attach`]. `Send` when the future is (an `Owner` is
+/// `Send`); the owner and its streams are dropped with it, without waiting.
+///
+/// Why the thread's implicit owner is wrong in async code: an async runtime runs many tasks on
+/// each worker thread, interleaved at every `.await`, and moves a task between threads. The
+/// thread's owner would give all tasks of a worker one stream (serializing unrelated requests on
+/// the GPU and ordering each after the others' work), and a task resumed on another worker would
+/// continue on a different stream, unordered after its own earlier work. The attached owner
+/// follows the task: one stream per task, wherever it runs.
+///
+/// A [`StreamRef`] obtained through [`Context::stream`] inside a poll should be dropped before
+/// the poll returns (do not hold one across `.await`; take it again after). If one escapes (kept
+/// in a thread-local, or held across `.await` by a future that is not `Send`), the escaped
+/// references keep the owner's streams, on that thread, until they are dropped; the task
+/// continues with a fresh owner whose stream is ordered after the escaped stream's work on the
+/// GPU. So two threads never use one owner, and no stream goes back to the pool while a
+/// reference to it lives.
+#[must_use = "futures do nothing unless polled"]
+pub struct Attached<F> {
+    owner: Option<Owner>,
+    fut: F,
+}
+
+impl<F> std::fmt::Debug for Attached<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attached")
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F> Attached<F> {
+    /// The attached owner (between polls).
+    pub fn owner(&self) -> Option<&Owner> {
+        self.owner.as_ref()
+    }
+}
+
+/// Makes `rc` the current owner of its context on this thread until dropped; then takes the
+/// owner back (or, when a reference escaped, leaves it to the references and puts a fresh owner,
+/// ordered after it, in its place). Runs on panic too.
+struct Current<'a> {
+    id: u64,
+    rc: Option<Rc<Owner>>,
+    back: &'a mut Option<Owner>,
+}
+
+impl Drop for Current<'_> {
+    fn drop(&mut self) {
+        let id = self.id;
+        let _ = ATTACHED.try_with(|a| {
+            let mut a = a.borrow_mut();
+            if let Some(pos) = a.iter().rposition(|(i, _)| *i == id) {
+                drop(a.remove(pos));
+            }
+        });
+        let Some(rc) = self.rc.take() else { return };
+        match Rc::try_unwrap(rc) {
+            Ok(owner) => *self.back = Some(owner),
+            Err(escaped) => *self.back = Some(Owner::after_escape(&escaped)),
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Attached<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        // SAFETY: `fut` is structurally pinned: it is never moved out of `self` (only polled
+        // through this pinned reference, and dropped in place); `owner` is not pinned.
+        let this = unsafe { self.get_unchecked_mut() };
+        let Some(owner) = this.owner.take() else {
+            // Only possible after a panic in `Owner::after_escape`'s caller; poll without one.
+            // SAFETY: as above.
+            return unsafe { std::pin::Pin::new_unchecked(&mut this.fut) }.poll(cx);
+        };
+        let id = owner.ctx.inner.id;
+        let rc = Rc::new(owner);
+        let pushed = ATTACHED
+            .try_with(|a| a.borrow_mut().push((id, rc.clone())))
+            .is_ok();
+        let _current = Current {
+            id: if pushed { id } else { u64::MAX },
+            rc: Some(rc),
+            back: &mut this.owner,
+        };
+        // SAFETY: as above.
+        unsafe { std::pin::Pin::new_unchecked(&mut this.fut) }.poll(cx)
+    }
 }
 
 fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
     let id = ctx.inner.id;
+    let attached = ATTACHED
+        .try_with(|a| {
+            a.borrow()
+                .iter()
+                .rev()
+                .find(|(i, _)| *i == id)
+                .map(|(_, o)| o.clone())
+        })
+        .ok()
+        .flatten();
+    if let Some(o) = attached {
+        return Ok(o);
+    }
     IMPLICIT
         .try_with(|m| {
             let mut m = m.borrow_mut();
@@ -359,6 +585,7 @@ impl Context {
     /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
     /// # let ctx = Context::primary(drv, 0).unwrap();
     /// let s = ctx.stream().unwrap();
+    /// assert!(s.same_stream(&ctx.stream().unwrap()));   // the thread's one stream
     /// s.synchronize().unwrap();
     /// ```
     ///
@@ -370,8 +597,18 @@ impl Context {
 
     /// Selects the priority of the calling thread's implicit owner (see [`Owner::set_priority`]).
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// ctx.set_priority(Priority::High).unwrap();
+    /// assert_eq!(ctx.stream().unwrap().priority(), ctx.priority_range().greatest);
+    /// assert!(ctx.set_priority(Priority::Value(1)).is_err());   // outside 0 ..= -5
+    /// ```
+    ///
     /// # Errors
-    /// As [`Owner::set_priority`].
+    /// As [`Owner::set_priority`]; [`Error::InvalidArgument`] while the thread is exiting.
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         self.with_thread_owner(|o| o.set_priority(p))?
     }

@@ -18,7 +18,7 @@ use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Idle streams kept per (priority, flags) key. A release that leaves more retired streams
@@ -29,6 +29,11 @@ pub const MAX_IDLE: usize = 32;
 /// A resource that a capture on this stream uses and that the resulting graph must keep alive
 /// (the memory layer's buffers); opaque at this layer.
 pub(crate) type CapturedUse = Arc<dyn Any + Send + Sync>;
+
+/// A handle of a stream lent to another crate (cudarc's `Arc<CudaStream>`), opaque at this layer.
+/// While anyone but the slot holds a clone of it, the stream is neither handed to another owner
+/// nor destroyed (see [`Slot::loan_returned`]).
+pub(crate) type Loan = Arc<dyn Any + Send + Sync>;
 
 /// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
 /// never by its handle value (handles are reused after destroy).
@@ -41,6 +46,10 @@ pub(crate) struct Slot {
     /// A copy of (generation, capturing, held, destroyed), written under the lock, read without
     /// it by [`Slot::is_current`] and [`Slot::is_capturing`].
     word: AtomicU64,
+    /// The handle lent to another crate, if any (see [`Loan`]).
+    loan: Mutex<Option<Loan>>,
+    /// Whether `loan` is set, readable without its lock.
+    lent: AtomicBool,
 }
 
 fn word(st: &SlotState) -> u64 {
@@ -163,7 +172,48 @@ impl Slot {
             flags,
             word: AtomicU64::new(word(&st)),
             state: Mutex::new(st),
+            loan: Mutex::new(None),
+            lent: AtomicBool::new(false),
         }
+    }
+
+    /// The handle lent to another crate for this stream: the existing one, or `make()`'s,
+    /// which is kept (the caller holds the stream).
+    pub(crate) fn lend<E>(&self, make: impl FnOnce() -> Result<Loan, E>) -> Result<Loan, E> {
+        let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = l.as_ref() {
+            return Ok(a.clone());
+        }
+        let a = make()?;
+        *l = Some(a.clone());
+        self.lent.store(true, Ordering::Release);
+        Ok(a)
+    }
+
+    /// Whether a handle of this stream is (or may still be) held by another crate, which can
+    /// enqueue work on it and begin or end captures of it behind the crate's back.
+    pub(crate) fn is_lent(&self) -> bool {
+        self.lent.load(Ordering::Acquire)
+    }
+
+    /// Whether nobody but this slot holds the lent handle any more (or none was lent). Then the
+    /// slot drops its own clone (after its lock is released) and the stream is the crate's
+    /// alone again. `Arc::get_mut` succeeds only without other strong or weak references, and
+    /// nobody can make one from nothing, so the answer cannot become stale.
+    pub(crate) fn loan_returned(&self) -> bool {
+        let taken = {
+            let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+            match l.as_mut().map(|a| Arc::get_mut(a).is_some()) {
+                None => return true,
+                Some(false) => return false,
+                Some(true) => {
+                    self.lent.store(false, Ordering::Release);
+                    l.take()
+                }
+            }
+        };
+        drop(taken);
+        true
     }
 
     pub(crate) fn lock(&self) -> SlotGuard<'_> {

@@ -92,44 +92,169 @@ impl<'a> StreamRef<'a> {
     /// driver call is): it is valid while this reference's holder holds the stream, and work
     /// enqueued through it must not use the crate's buffers unless a [`crate::BufferUse`] of them
     /// is alive, nor leave the stream capturing.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// // SAFETY: `s` borrows the owner that holds the stream: the handle is live.
+    /// let p = unsafe { ctx.driver().stream_priority(s.raw()) }.unwrap();
+    /// assert_eq!(p, s.priority());
+    /// ```
     pub fn raw(&self) -> driver::Stream {
         self.slot.raw
     }
 
+    /// Lends the stream to another crate as a shared handle of that crate's type, made by `wrap`
+    /// from the raw stream (cudarc's is [`StreamRef::cudarc_stream`]). The handle may outlive this
+    /// reference and its holder: while anyone holds a clone of the returned `Arc` (or of one
+    /// made from it), the stream is neither handed to another owner nor destroyed; once the last
+    /// clone is gone, a later release, allocation, free or [`Context::trim`] returns it to the
+    /// pool (or destroys an [`OwnedStream`]'s), after its work has completed, as usual. Every
+    /// call on the same stream returns the same handle. While lent, the crate asks the driver
+    /// (not its own bookkeeping) whether the stream is capturing, so a capture that the other
+    /// crate begins on it is never joined or invalidated by the crate; a stream the other crate
+    /// leaves capturing is never used again.
+    ///
+    /// `wrap` runs at most once per loan, under a lock of the stream: it must not call back
+    /// into the crate for this stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use std::sync::Arc;
+    /// struct Foreign(driver::Stream);                 // another crate's stream handle
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let h = s.lend(|raw| Ok(Arc::new(Foreign(raw)))).unwrap();
+    /// assert_eq!(h.0, s.raw());
+    /// drop(s);
+    /// drop(owner);                                   // the stream stays out of the pool
+    /// assert_eq!(ctx.stats().in_use, 1);
+    /// drop(h);                                       // the loan ends
+    /// ctx.trim().unwrap();                           // a flush returns it
+    /// assert_eq!(ctx.stats().in_use, 0);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the stream is already lent as a handle of another type;
+    /// `wrap`'s error.
+    pub fn lend<H: Any + Send + Sync>(
+        &self,
+        wrap: impl FnOnce(driver::Stream) -> Result<Arc<H>>,
+    ) -> Result<Arc<H>> {
+        let raw = self.slot.raw;
+        let loan = self
+            .slot
+            .lend(|| wrap(raw).map(|h| h as crate::pool::Loan))?;
+        loan.downcast::<H>()
+            .map_err(|_| Error::invalid("the stream is already lent as a handle of another type"))
+    }
+
     /// The context.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// assert_eq!(owner.stream().unwrap().context().raw(), ctx.raw());
+    /// ```
     pub fn context(&self) -> &Context {
         &self.ctx
     }
 
-    /// The stream's priority.
+    /// The stream's priority (fixed at creation).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::Priority;
+    /// let owner = ctx.owner();
+    /// assert_eq!(owner.stream().unwrap().priority(), 0);
+    /// owner.set_priority(Priority::Value(-2)).unwrap();
+    /// assert_eq!(owner.stream().unwrap().priority(), -2);
+    /// ```
     pub fn priority(&self) -> i32 {
         self.slot.priority
     }
 
-    /// The stream's creation flags.
+    /// The stream's creation flags ([`stream_flags`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::driver::stream_flags;
+    /// let owner = ctx.owner();
+    /// assert_eq!(owner.stream().unwrap().flags(), stream_flags::NON_BLOCKING);
+    /// ```
     pub fn flags(&self) -> u32 {
         self.slot.flags
     }
 
     /// The generation of the stream this reference holds (bumped each time the pool hands the
     /// stream to a new owner).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let (raw, gen) = {
+    ///     let first = ctx.owner();
+    ///     let s = first.stream().unwrap();
+    ///     (s.raw(), s.generation())
+    /// };                                         // `first` is dropped: its stream is retired
+    /// let next = ctx.owner();
+    /// let s = next.stream().unwrap();            // the same stream, handed to a new owner
+    /// assert_eq!((s.raw(), s.generation()), (raw, gen + 1));
+    /// ```
     pub fn generation(&self) -> u64 {
         self.gen
     }
 
     /// Whether the stream still belongs to the holder this handle came from (always, while the
     /// handle exists; kept for diagnostics).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// assert!(owner.stream().unwrap().is_current());
+    /// ```
     pub fn is_current(&self) -> bool {
         self.slot.is_current(self.gen)
     }
 
     /// Whether two handles name the same stream (by object, never by handle value).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let s = a.stream().unwrap();
+    /// assert!(s.same_stream(&a.stream().unwrap()));
+    /// assert!(!s.same_stream(&b.stream().unwrap()));
+    /// ```
     pub fn same_stream(&self, other: &StreamRef<'_>) -> bool {
         Arc::ptr_eq(&self.slot, &other.slot)
     }
 
+    /// Whether the stream is capturing (a capture of the crate, or, for a stream lent to
+    /// cudarc, any capture the driver reports).
+    pub(crate) fn capturing_now(&self) -> bool {
+        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        unsafe { self.ctx.inner.capturing(&self.slot) }
+    }
+
     pub(crate) fn not_capturing(&self, what: &str) -> Result<()> {
-        if self.slot.is_capturing() {
+        if self.capturing_now() {
             return Err(Error::CaptureInProgress(format!(
                 "{what} is not possible while the stream is capturing"
             )));
@@ -139,6 +264,21 @@ impl<'a> StreamRef<'a> {
 
     /// Blocks until the stream's work has completed. Runs in relaxed capture mode, so it
     /// invalidates no other thread's capture.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::SimDriver, Context, Error};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// sim.enqueue_work(s.raw(), 5_000).unwrap();     // simulated GPU work
+    /// assert!(!s.query().unwrap());
+    /// s.synchronize().unwrap();                      // the simulated clock runs to its end
+    /// assert!(s.query().unwrap());
+    /// let _capture = s.begin_capture().unwrap();
+    /// assert!(matches!(s.synchronize(), Err(Error::CaptureInProgress(_))));
+    /// ```
     ///
     /// # Errors
     /// [`Error::CaptureInProgress`] while the stream is capturing (the capture is left intact);
@@ -175,12 +315,17 @@ impl<'a> StreamRef<'a> {
     /// + wait, on the GPU).
     ///
     /// ```
-    /// # use cuda_stream_pool::{driver, Context};
-    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::{driver::SimDriver, Context};
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
     /// let (a, b) = (ctx.owner(), ctx.owner());
     /// let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    /// sim.enqueue_work(sa.raw(), 1_000).unwrap();
     /// sb.wait_for(&sa).unwrap();                      // sb's later work runs after sa's
+    /// assert!(!sb.query().unwrap());                  // sb waits for sa's work, on the GPU
+    /// sim.advance(1_000);
+    /// assert!(sb.query().unwrap());
     /// ```
     ///
     /// # Errors
@@ -227,6 +372,19 @@ impl<'a> StreamRef<'a> {
 
     /// Whether the stream is being captured (`cuStreamIsCapturing`; allowed during capture).
     ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// assert!(!s.is_capturing().unwrap());
+    /// let g = s.begin_capture().unwrap();
+    /// assert!(s.is_capturing().unwrap());
+    /// g.end().unwrap();
+    /// assert!(!s.is_capturing().unwrap());
+    /// ```
+    ///
     /// # Errors
     /// The driver's error.
     pub fn is_capturing(&self) -> Result<bool> {
@@ -237,7 +395,8 @@ impl<'a> StreamRef<'a> {
 }
 
 /// A stream of your own, outside the pool: for work that must outlive any owner. Synchronized
-/// (in relaxed capture mode) and destroyed when dropped. `Send`, not `Sync`: only the thread that
+/// (in relaxed capture mode) and destroyed when dropped (when that fails, for instance under a
+/// leaked capture guard, the context keeps the stream and destroys it once it is idle). `Send`, not `Sync`: only the thread that
 /// has it can take [`StreamRef`]s of it, so its capture state has one writer.
 ///
 /// ```
@@ -257,6 +416,17 @@ pub struct OwnedStream {
 
 impl OwnedStream {
     /// Creates a non-blocking stream of the given priority.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::{driver::stream_flags, OwnedStream, Priority};
+    /// let s = OwnedStream::new(&ctx, Priority::Low).unwrap();
+    /// assert_eq!(s.stream().flags(), stream_flags::NON_BLOCKING);
+    /// assert_eq!(ctx.stats().created, 0);            // not a pool's stream
+    /// assert!(OwnedStream::new(&ctx, Priority::Value(7)).is_err());   // outside 0 ..= -5
+    /// ```
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a priority outside the context's range; the driver's error.
@@ -288,6 +458,17 @@ impl OwnedStream {
     }
 
     /// A reference to the stream, valid while the `OwnedStream` lives.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// use cuda_stream_pool::{OwnedStream, Priority};
+    /// let owned = OwnedStream::new(&ctx, Priority::Normal).unwrap();
+    /// let s = owned.stream();
+    /// assert!(s.same_stream(&owned.stream()));
+    /// s.synchronize().unwrap();
+    /// ```
     pub fn stream(&self) -> StreamRef<'_> {
         StreamRef::new(&self.ctx, &self.slot, 1, None)
     }

@@ -1,4 +1,6 @@
-//! The cudarc interop example, as a GPU test.
+//! cudarc interop on a GPU: safe adoption, cudarc kernels on pooled streams, a cudarc slice that
+//! outlives its owner, and cudarc launches on this crate's buffers (a use, ordered by
+//! generation). Run them under compute-sanitizer (docs/gpu.md).
 #![cfg(feature = "cudarc")]
 
 mod common;
@@ -6,9 +8,139 @@ mod common;
 #[path = "../examples/cudarc_interop.rs"]
 mod example;
 
+use cuda_stream_pool::{Context, DeviceBuffer};
+use cudarc::driver::{CudaContext, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+fn add_one(cu: &Arc<CudaContext>) -> cudarc::driver::CudaFunction {
+    let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
+    let m = cu.load_module(cudarc::nvrtc::Ptx::from_src(src)).unwrap();
+    m.load_function("csp_add_one_f32").unwrap()
+}
+
+fn cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn cudarc_launches_on_pooled_streams() {
+fn candle_style_service_on_pooled_streams() {
     let _serial = common::gpu_lock();
     example::run().unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn adoption_is_safe_and_keeps_cudarc_alive() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let before = Arc::strong_count(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    assert!(
+        Arc::strong_count(&cu) > before,
+        "the state holds cudarc's context"
+    );
+    assert!(Arc::ptr_eq(&ctx.cudarc_context().unwrap(), &cu));
+    drop(cu); // the user's handle goes; the state's keeps the context alive
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<f32>::zeroed(&s, 1024).unwrap();
+    assert_eq!(b.to_vec(&s).unwrap(), vec![0.0; 1024]);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn late_dropped_cudarc_slice_keeps_its_stream_out_of_the_pool() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 20;
+    let a = ctx.owner();
+    let cs = a.stream().unwrap().cudarc_stream().unwrap();
+    let raw = cs.cu_stream();
+    let mut x = cs.alloc_zeros::<f32>(n).unwrap();
+    for _ in 0..8 {
+        // SAFETY: csp_add_one_f32(float *x, unsigned n) with n floats.
+        unsafe {
+            cs.launch_builder(&f)
+                .arg(&mut x)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+    }
+    drop(cs);
+    drop(a); // the owner is gone; x (and its Arc<CudaStream>) is not
+    for _ in 0..64 {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        assert_ne!(
+            cuda_stream_pool::driver::Stream::from(raw),
+            s.raw(),
+            "the stream of a live cudarc slice was handed to another owner"
+        );
+        DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    }
+    assert_eq!(ctx.stats().in_use, 1, "the lent stream is still out");
+    let v = x.stream().clone_dtoh(&x).unwrap();
+    assert!(v.iter().all(|&e| e == 8.0));
+    drop(x); // cudarc frees on the lent stream, which no other owner has
+    ctx.trim().unwrap();
+    assert_eq!(ctx.stats().in_use, 0, "the stream came back");
+    ctx.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cudarc_launch_on_another_owners_stream_is_a_use() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 20;
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    let buf = DeviceBuffer::<f32>::zeroed(&sa, n).unwrap();
+    for round in 1..=4 {
+        // Alternate the launching owner: every launch is ordered after the previous use.
+        let s = if round % 2 == 0 { &sa } else { &sb };
+        let cs = s.cudarc_stream().unwrap();
+        let u = buf.cudarc_use(s).unwrap();
+        let (p, _record) = u.device_ptr(&cs);
+        // SAFETY: csp_add_one_f32 on the buffer's n floats, in use on `s` while `u` lives.
+        unsafe {
+            cs.launch_builder(&f)
+                .arg(&p)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+    }
+    // A launch on a stream other than the use's: ordered both ways.
+    {
+        let cs_b = sb.cudarc_stream().unwrap();
+        let other = cu.new_stream().unwrap();
+        let u = buf.cudarc_use(&sb).unwrap();
+        let (p, record) = u.device_ptr(&other);
+        // SAFETY: as above; `record` (a synchronize of `other`) is dropped after the launch.
+        unsafe {
+            other
+                .launch_builder(&f)
+                .arg(&p)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+        drop(record);
+        drop(u);
+        drop(cs_b);
+    }
+    // Read back on the first owner's stream: ordered after all five launches.
+    let v = buf.to_vec(&sa).unwrap();
+    assert!(v.iter().all(|&e| e == 5.0), "{}", v[0]);
 }

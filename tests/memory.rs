@@ -59,7 +59,7 @@ fn same_generation_use_is_ordered(d: &Arc<dyn Driver>) {
     buf.fill(&sb, 2).unwrap();
     gate.open();
     assert_eq!(buf.to_vec(&sb).unwrap(), vec![2; 1024]);
-    let (raw, _, current) = buf.last_use();
+    let (raw, _, current) = buf.last_use().unwrap();
     assert_eq!((raw, current), (sb.raw(), true));
 }
 

@@ -549,3 +549,22 @@ fn waiting_on_another_captures_event_is_merge_902() {
         sim.stream_end_capture(a).unwrap();
     }
 }
+
+/// Found by the docs review: huge sizes and durations overflowed (a panic in debug builds).
+#[test]
+fn huge_access_sizes_and_durations_do_not_overflow() {
+    let sim = std::sync::Arc::new(cuda_stream_pool::driver::SimDriver::new());
+    let d: std::sync::Arc<dyn cuda_stream_pool::driver::Driver> = sim.clone();
+    let ctx = cuda_stream_pool::Context::primary(d, 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let buf = cuda_stream_pool::DeviceBuffer::<u8>::zeroed(&s, 16).unwrap();
+    let u = buf.use_on(&s).unwrap();
+    assert!(sim
+        .enqueue_access(s.raw(), u.ptr(), usize::MAX, true, 1)
+        .is_err());
+    drop(u);
+    sim.advance(10);
+    sim.enqueue_work(s.raw(), u64::MAX).unwrap();
+    assert!(!s.query().unwrap());
+}

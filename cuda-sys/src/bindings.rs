@@ -4,6 +4,7 @@
 
 pub type CUdevice = ::std::os::raw::c_int;
 pub type CUdeviceptr = ::std::os::raw::c_ulonglong;
+pub type cuuint32_t = u32;
 pub type cuuint64_t = u64;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -192,6 +193,101 @@ impl CUmemPool_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemPool_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmemPool_attribute_enum as CUmemPool_attribute;
+impl CUmemAllocationType_enum {
+    pub const CU_MEM_ALLOCATION_TYPE_INVALID: CUmemAllocationType_enum = CUmemAllocationType_enum(
+        0,
+    );
+    pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType_enum = CUmemAllocationType_enum(
+        1,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationType_enum as CUmemAllocationType;
+impl CUmemAllocationHandleType_enum {
+    pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(
+        0,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationHandleType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemAllocationHandleType_enum as CUmemAllocationHandleType;
+impl CUmemLocationType_enum {
+    pub const CU_MEM_LOCATION_TYPE_INVALID: CUmemLocationType_enum = CUmemLocationType_enum(
+        0,
+    );
+    pub const CU_MEM_LOCATION_TYPE_DEVICE: CUmemLocationType_enum = CUmemLocationType_enum(
+        1,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemLocationType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUmemLocationType_enum as CUmemLocationType;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUmemLocation_st {
+    pub type_: CUmemLocationType,
+    pub id: ::std::os::raw::c_int,
+}
+impl Default for CUmemLocation_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemLocation = CUmemLocation_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUmemPoolProps_st {
+    pub allocType: CUmemAllocationType,
+    pub handleTypes: CUmemAllocationHandleType,
+    pub location: CUmemLocation,
+    pub win32SecurityAttributes: *mut ::std::os::raw::c_void,
+    pub reserved: [::std::os::raw::c_uchar; 64usize],
+}
+impl Default for CUmemPoolProps_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemPoolProps = CUmemPoolProps_st;
+impl CUstreamWaitValue_flags_enum {
+    pub const CU_STREAM_WAIT_VALUE_GEQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        0,
+    );
+    pub const CU_STREAM_WAIT_VALUE_EQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        1,
+    );
+    pub const CU_STREAM_WAIT_VALUE_AND: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        2,
+    );
+    pub const CU_STREAM_WAIT_VALUE_NOR: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        3,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWaitValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWaitValue_flags_enum as CUstreamWaitValue_flags;
+impl CUstreamWriteValue_flags_enum {
+    pub const CU_STREAM_WRITE_VALUE_DEFAULT: CUstreamWriteValue_flags_enum = CUstreamWriteValue_flags_enum(
+        0,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWriteValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWriteValue_flags_enum as CUstreamWriteValue_flags;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(
         1,
@@ -392,6 +488,17 @@ pub struct CudaLib {
         unsafe extern "C" fn(pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuMemPoolCreate: Result<
+        unsafe extern "C" fn(
+            pool: *mut CUmemoryPool,
+            poolProps: *const CUmemPoolProps,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemPoolDestroy: Result<
+        unsafe extern "C" fn(pool: CUmemoryPool) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuMemPoolSetAttribute: Result<
         unsafe extern "C" fn(
             pool: CUmemoryPool,
@@ -436,6 +543,44 @@ pub struct CudaLib {
             ui: ::std::os::raw::c_uint,
             N: usize,
             hStream: CUstream,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemHostAlloc: Result<
+        unsafe extern "C" fn(
+            pp: *mut *mut ::std::os::raw::c_void,
+            bytesize: usize,
+            Flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemHostGetDevicePointer_v2: Result<
+        unsafe extern "C" fn(
+            pdptr: *mut CUdeviceptr,
+            p: *mut ::std::os::raw::c_void,
+            Flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemFreeHost: Result<
+        unsafe extern "C" fn(p: *mut ::std::os::raw::c_void) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuStreamWriteValue64_v2: Result<
+        unsafe extern "C" fn(
+            stream: CUstream,
+            addr: CUdeviceptr,
+            value: cuuint64_t,
+            flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuStreamWaitValue32_v2: Result<
+        unsafe extern "C" fn(
+            stream: CUstream,
+            addr: CUdeviceptr,
+            value: cuuint32_t,
+            flags: ::std::os::raw::c_uint,
         ) -> CUresult,
         ::libloading::Error,
     >,
@@ -609,6 +754,8 @@ impl CudaLib {
         let cuDeviceGetDefaultMemPool = __library
             .get(b"cuDeviceGetDefaultMemPool\0")
             .map(|sym| *sym);
+        let cuMemPoolCreate = __library.get(b"cuMemPoolCreate\0").map(|sym| *sym);
+        let cuMemPoolDestroy = __library.get(b"cuMemPoolDestroy\0").map(|sym| *sym);
         let cuMemPoolSetAttribute = __library
             .get(b"cuMemPoolSetAttribute\0")
             .map(|sym| *sym);
@@ -623,6 +770,17 @@ impl CudaLib {
             .get(b"cuMemcpyDtoHAsync_v2\0")
             .map(|sym| *sym);
         let cuMemsetD32Async = __library.get(b"cuMemsetD32Async\0").map(|sym| *sym);
+        let cuMemHostAlloc = __library.get(b"cuMemHostAlloc\0").map(|sym| *sym);
+        let cuMemHostGetDevicePointer_v2 = __library
+            .get(b"cuMemHostGetDevicePointer_v2\0")
+            .map(|sym| *sym);
+        let cuMemFreeHost = __library.get(b"cuMemFreeHost\0").map(|sym| *sym);
+        let cuStreamWriteValue64_v2 = __library
+            .get(b"cuStreamWriteValue64_v2\0")
+            .map(|sym| *sym);
+        let cuStreamWaitValue32_v2 = __library
+            .get(b"cuStreamWaitValue32_v2\0")
+            .map(|sym| *sym);
         let cuStreamBeginCapture_v2 = __library
             .get(b"cuStreamBeginCapture_v2\0")
             .map(|sym| *sym);
@@ -685,12 +843,19 @@ impl CudaLib {
             cuMemAllocFromPoolAsync,
             cuMemFreeAsync,
             cuDeviceGetDefaultMemPool,
+            cuMemPoolCreate,
+            cuMemPoolDestroy,
             cuMemPoolSetAttribute,
             cuMemPoolGetAttribute,
             cuMemGetInfo_v2,
             cuMemcpyHtoDAsync_v2,
             cuMemcpyDtoHAsync_v2,
             cuMemsetD32Async,
+            cuMemHostAlloc,
+            cuMemHostGetDevicePointer_v2,
+            cuMemFreeHost,
+            cuStreamWriteValue64_v2,
+            cuStreamWaitValue32_v2,
             cuStreamBeginCapture_v2,
             cuStreamEndCapture,
             cuStreamIsCapturing,
@@ -955,6 +1120,19 @@ impl CudaLib {
             .as_ref()
             .expect("Expected function, got error."))(pool_out, dev)
     }
+    pub unsafe fn cuMemPoolCreate(
+        &self,
+        pool: *mut CUmemoryPool,
+        poolProps: *const CUmemPoolProps,
+    ) -> CUresult {
+        (self
+            .cuMemPoolCreate
+            .as_ref()
+            .expect("Expected function, got error."))(pool, poolProps)
+    }
+    pub unsafe fn cuMemPoolDestroy(&self, pool: CUmemoryPool) -> CUresult {
+        (self.cuMemPoolDestroy.as_ref().expect("Expected function, got error."))(pool)
+    }
     pub unsafe fn cuMemPoolSetAttribute(
         &self,
         pool: CUmemoryPool,
@@ -1026,6 +1204,55 @@ impl CudaLib {
             .cuMemsetD32Async
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, ui, N, hStream)
+    }
+    pub unsafe fn cuMemHostAlloc(
+        &self,
+        pp: *mut *mut ::std::os::raw::c_void,
+        bytesize: usize,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuMemHostAlloc
+            .as_ref()
+            .expect("Expected function, got error."))(pp, bytesize, Flags)
+    }
+    pub unsafe fn cuMemHostGetDevicePointer_v2(
+        &self,
+        pdptr: *mut CUdeviceptr,
+        p: *mut ::std::os::raw::c_void,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuMemHostGetDevicePointer_v2
+            .as_ref()
+            .expect("Expected function, got error."))(pdptr, p, Flags)
+    }
+    pub unsafe fn cuMemFreeHost(&self, p: *mut ::std::os::raw::c_void) -> CUresult {
+        (self.cuMemFreeHost.as_ref().expect("Expected function, got error."))(p)
+    }
+    pub unsafe fn cuStreamWriteValue64_v2(
+        &self,
+        stream: CUstream,
+        addr: CUdeviceptr,
+        value: cuuint64_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuStreamWriteValue64_v2
+            .as_ref()
+            .expect("Expected function, got error."))(stream, addr, value, flags)
+    }
+    pub unsafe fn cuStreamWaitValue32_v2(
+        &self,
+        stream: CUstream,
+        addr: CUdeviceptr,
+        value: cuuint32_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuStreamWaitValue32_v2
+            .as_ref()
+            .expect("Expected function, got error."))(stream, addr, value, flags)
     }
     pub unsafe fn cuStreamBeginCapture_v2(
         &self,

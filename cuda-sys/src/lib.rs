@@ -23,6 +23,8 @@
     non_upper_case_globals,
     dead_code,
     clippy::all,
+    clippy::missing_errors_doc,
+    clippy::missing_panics_doc,
     rustdoc::all,
     missing_docs
 )]
@@ -76,6 +78,9 @@ impl fmt::Debug for Library {
 impl Library {
     /// Opens the driver: the path in [`LIBRARY_ENV`] when set, else `libcuda.so.1`, then
     /// `libcuda.so`.
+    ///
+    /// # Errors
+    /// A [`LoadError`] listing every candidate and the loader's message for it, when none opens.
     pub fn open() -> Result<Library, LoadError> {
         let candidates: Vec<OsString> = match std::env::var_os(LIBRARY_ENV) {
             Some(p) if !p.is_empty() => vec![p],
@@ -134,12 +139,15 @@ impl std::error::Error for MissingSymbol {}
 pub fn introduced_in(symbol: &str) -> &'static str {
     match symbol {
         "cuStreamGetCaptureInfo_v3" => "12.3",
+        "cuStreamWriteValue64_v2" | "cuStreamWaitValue32_v2" => "11.7",
         "cuGraphInstantiateWithFlags" => "11.4",
         "cuMemAllocAsync"
         | "cuMemFreeAsync"
         | "cuMemAllocFromPoolAsync"
         | "cuDeviceGetDefaultMemPool"
         | "cuMemPoolSetAttribute"
+        | "cuMemPoolCreate"
+        | "cuMemPoolDestroy"
         | "cuMemPoolGetAttribute" => "11.2",
         "cuGraphUpload" => "11.1",
         "cuDevicePrimaryCtxRelease_v2" => "11.0",
@@ -157,7 +165,11 @@ pub fn introduced_in(symbol: &str) -> &'static str {
         "cuGetErrorName" | "cuGetErrorString" | "cuStreamGetFlags" => "6.0",
         "cuDevicePrimaryCtxRetain" => "7.0",
         "cuStreamDestroy_v2" | "cuEventDestroy_v2" | "cuCtxGetCurrent" | "cuCtxSetCurrent" => "4.0",
-        "cuMemGetInfo_v2" | "cuMemcpyHtoDAsync_v2" | "cuMemcpyDtoHAsync_v2" => "3.2",
+        "cuMemGetInfo_v2"
+        | "cuMemcpyHtoDAsync_v2"
+        | "cuMemcpyDtoHAsync_v2"
+        | "cuMemHostGetDevicePointer_v2" => "3.2",
+        "cuMemHostAlloc" => "2.2",
         "cuLaunchKernel" | "cuMemsetD32Async" => "4.0",
         _ => "2.0",
     }
@@ -182,6 +194,8 @@ mod tests {
     fn versions_of_new_entry_points() {
         assert_eq!(introduced_in("cuMemAllocAsync"), "11.2");
         assert_eq!(introduced_in("cuStreamGetCaptureInfo_v3"), "12.3");
+        assert_eq!(introduced_in("cuStreamWriteValue64_v2"), "11.7");
+        assert_eq!(introduced_in("cuMemHostAlloc"), "2.2");
         let m = MissingSymbol {
             symbol: "cuMemAllocAsync",
             since: introduced_in("cuMemAllocAsync"),

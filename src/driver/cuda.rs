@@ -40,7 +40,22 @@ fn handle<T>(p: *mut T) -> u64 {
 }
 
 impl CudaDriver {
-    /// Opens the driver library. Does not call `cuInit`.
+    /// Opens the driver library (the path in `CUDA_STREAM_POOL_LIBCUDA` when set, else
+    /// `libcuda.so.1`, then `libcuda.so`). Does not call `cuInit`.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::{CudaDriver, Driver}, Error};
+    /// match CudaDriver::open() {
+    ///     Ok(d) => assert_eq!(d.kind(), "cuda"),
+    ///     // Without a driver library: every path tried, with the loader's reason.
+    ///     Err(Error::LibraryNotFound(e)) => assert!(!e.tried.is_empty()),
+    ///     Err(e) => panic!("{e}"),
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::LibraryNotFound`] when no candidate opens; nothing else (a missing entry point
+    /// is reported when it is first used).
     pub fn open() -> Result<CudaDriver> {
         Ok(CudaDriver {
             lib: Library::open()?,
@@ -48,6 +63,13 @@ impl CudaDriver {
     }
 
     /// The path the library was opened from.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::CudaDriver;
+    /// if let Ok(d) = CudaDriver::open() {
+    ///     assert!(!d.library_path().is_empty());     // e.g. "libcuda.so.1"
+    /// }
+    /// ```
     pub fn library_path(&self) -> &str {
         self.lib.path()
     }
@@ -79,6 +101,16 @@ impl CudaDriver {
     }
 
     /// `cuGetErrorString` for a code, when the driver knows it.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver::CudaDriver, ErrorCode};
+    /// if let Ok(d) = CudaDriver::open() {
+    ///     // a description such as "out of memory", when the driver has one
+    ///     if let Some(text) = d.error_string(ErrorCode::ERROR_OUT_OF_MEMORY) {
+    ///         assert!(!text.is_empty());
+    ///     }
+    /// }
+    /// ```
     pub fn error_string(&self, code: ErrorCode) -> Option<String> {
         let f = self.lib.table().cuGetErrorString.as_ref().ok()?;
         let mut s: *const c_char = std::ptr::null();
@@ -372,6 +404,31 @@ impl Driver for CudaDriver {
         Ok(MemPool(handle(p)))
     }
 
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
+        let f = sym!(self.cuMemPoolCreate);
+        let props = ffi::CUmemPoolProps {
+            allocType: ffi::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: ffi::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: ffi::CUmemLocation {
+                type_: ffi::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev.0 as i32,
+            },
+            win32SecurityAttributes: std::ptr::null_mut(),
+            reserved: [0; 64],
+        };
+        let mut p: ffi::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: out-parameter is a live local; `props` is a fully initialised CUmemPoolProps
+        // (88 bytes, the layout every CUDA version since 11.2 accepts; see wrapper.h).
+        self.check(unsafe { f(&mut p, &props) }, "cuMemPoolCreate")?;
+        Ok(MemPool(handle(p)))
+    }
+
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()> {
+        let f = sym!(self.cuMemPoolDestroy);
+        // SAFETY: the caller's contract: a pool of ours, destroyed once.
+        self.check(unsafe { f(ptr(pool.0)) }, "cuMemPoolDestroy")
+    }
+
     unsafe fn mem_pool_set_attribute(
         &self,
         pool: MemPool,
@@ -461,6 +518,64 @@ impl Driver for CudaDriver {
         self.check(
             unsafe { f(dst as *mut c_void, src.0, bytes, ptr(stream.0)) },
             "cuMemcpyDtoHAsync_v2",
+        )
+    }
+
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
+        let f = sym!(self.cuMemHostAlloc);
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-parameter is a live local; size and flags are validated by the driver.
+        self.check(
+            unsafe { f(&mut p, bytes, flags as c_uint) },
+            "cuMemHostAlloc",
+        )?;
+        Ok(p as *mut u8)
+    }
+
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr> {
+        let f = sym!(self.cuMemHostGetDevicePointer_v2);
+        let mut d: ffi::CUdeviceptr = 0;
+        // SAFETY: out-parameter is a live local; the caller passes host-mapped memory; flags
+        // must be 0.
+        self.check(
+            unsafe { f(&mut d, host as *mut c_void, 0) },
+            "cuMemHostGetDevicePointer_v2",
+        )?;
+        Ok(DevicePtr(d))
+    }
+
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()> {
+        let f = sym!(self.cuMemFreeHost);
+        // SAFETY: the caller passes a live allocation of cuMemHostAlloc that nothing uses any more.
+        self.check(unsafe { f(host as *mut c_void) }, "cuMemFreeHost")
+    }
+
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        let f = sym!(self.cuStreamWriteValue64_v2);
+        // SAFETY: value arguments; the caller keeps `addr` valid until the write has happened.
+        self.check(
+            unsafe { f(ptr(stream.0), addr.0, value, 0) },
+            "cuStreamWriteValue64_v2",
+        )
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
+    ) -> Result<()> {
+        let f = sym!(self.cuStreamWaitValue32_v2);
+        // SAFETY: value arguments; the caller keeps `addr` valid until the wait is satisfied.
+        self.check(
+            unsafe { f(ptr(stream.0), addr.0, value, cond.raw() as c_uint) },
+            "cuStreamWaitValue32_v2",
         )
     }
 

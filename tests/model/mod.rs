@@ -540,7 +540,7 @@ impl Model {
     fn drop_buffer(&mut self, j: usize) {
         let buf = self.bufs.swap_remove(j);
         let p = buf.b.as_raw();
-        let (last, _, current) = buf.b.last_use();
+        let (last, _, current) = buf.b.last_use().unwrap();
         let last_capturing = current && self.capture_of(last.0).is_some();
         let only = Arc::strong_count(&buf.b) == 1;
         self.sim.clear_calls();
@@ -949,7 +949,7 @@ impl Model {
                     }
                     for b in out.new_bufs {
                         if self.bufs.len() < 64 {
-                            let raw = b.last_use().0 .0;
+                            let raw = b.last_use().unwrap().0 .0;
                             let last = (raw, self.gen_of(raw));
                             self.bufs.push(Buf { b, last });
                         }
@@ -970,7 +970,7 @@ impl Model {
     fn resync_last(&mut self) {
         self.sync_holdings();
         for j in 0..self.bufs.len() {
-            let raw = self.bufs[j].b.last_use().0 .0;
+            let raw = self.bufs[j].b.last_use().unwrap().0 .0;
             self.used(j, raw);
         }
     }

@@ -94,6 +94,19 @@ impl SimDriver {
     }
 
     /// Makes the `n`-th driver call from now (1 = the next one) fail with `code`.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.fail_nth_call(2, ErrorCode::ERROR_UNKNOWN);
+    /// assert!(sim.device_count().is_ok());
+    /// assert_eq!(sim.device_count().unwrap_err().code(), Some(ErrorCode::ERROR_UNKNOWN));
+    /// assert!(sim.device_count().is_ok());
+    /// ```
     pub fn fail_nth_call(&self, n: u64, code: ErrorCode) {
         let mut st = self.lock();
         let at = st.calls + n;
@@ -107,6 +120,20 @@ impl SimDriver {
 
     /// Makes the next `times` calls of the entry point `name` fail with `code`
     /// (`u64::MAX`: every call until [`SimDriver::clear_faults`]).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.fail_calls("cuStreamCreateWithPriority", ErrorCode::ERROR_OUT_OF_MEMORY, 1);
+    /// let next = ctx.owner();
+    /// let e = next.stream().unwrap_err();
+    /// assert_eq!(e.code(), Some(ErrorCode::ERROR_OUT_OF_MEMORY));
+    /// assert!(next.stream().is_ok());                // only the next call failed
+    /// ```
     pub fn fail_calls(&self, name: &'static str, code: ErrorCode, times: u64) {
         self.lock().faults.push(Fault {
             name: Some(name),
@@ -117,28 +144,92 @@ impl SimDriver {
     }
 
     /// Removes every injected fault.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.fail_calls("cuStreamQuery", ErrorCode::ERROR_UNKNOWN, u64::MAX);
+    /// assert!(s.query().is_err());
+    /// sim.clear_faults();
+    /// assert!(s.query().unwrap());
+    /// ```
     pub fn clear_faults(&self) {
         self.lock().faults.clear();
     }
 
     /// The logged calls so far.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.clear_calls();
+    /// s.query().unwrap();
+    /// let names: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+    /// assert!(names.contains(&"cuStreamQuery"));
+    /// ```
     pub fn calls(&self) -> Vec<Call> {
         self.lock().log.clone().unwrap_or_default()
     }
 
     /// Clears the call log.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// assert!(!sim.calls().is_empty());
+    /// sim.clear_calls();
+    /// assert!(sim.calls().is_empty());
+    /// ```
     pub fn clear_calls(&self) {
         if let Some(l) = self.lock().log.as_mut() {
             l.clear()
         }
     }
 
-    /// Turns the call log on or off (the demo turns it off).
+    /// Turns the call log on or off (the demo turns it off). Calls are counted either way.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.set_logging(false);
+    /// let before = sim.call_count();
+    /// s.query().unwrap();
+    /// assert!(sim.calls().is_empty());
+    /// assert!(sim.call_count() > before);
+    /// ```
     pub fn set_logging(&self, on: bool) {
         self.lock().log = if on { Some(Vec::new()) } else { None };
     }
 
     /// The number of driver calls made so far.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let before = sim.call_count();
+    /// sim.device_count().unwrap();
+    /// assert_eq!(sim.call_count(), before + 1);
+    /// ```
     pub fn call_count(&self) -> u64 {
         self.lock().calls
     }

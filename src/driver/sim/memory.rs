@@ -258,7 +258,12 @@ impl SimDriver {
         call: &'static str,
     ) -> Result<()> {
         let ok = match st.allocs.range(..=ptr).next_back() {
-            Some((base, a)) => !a.free_pending && ptr + bytes as u64 <= base + a.data.len() as u64,
+            Some((base, a)) => {
+                !a.free_pending
+                    && ptr
+                        .checked_add(bytes as u64)
+                        .is_some_and(|end| end <= base + a.data.len() as u64)
+            }
             None => false,
         };
         if ok {
@@ -291,7 +296,23 @@ impl SimDriver {
         st.counters.peak_device_bytes = st.counters.peak_device_bytes.max(b);
     }
 
-    /// Device memory in use: allocations plus 560 KiB per live stream.
+    /// Device memory in use: allocations plus [`STREAM_BYTES`] per live stream.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// use cuda_stream_pool::driver::sim::STREAM_BYTES;
+    /// let before = sim.device_memory_used();
+    /// let _b = DeviceBuffer::<u8>::alloc(&s, 4096).unwrap();
+    /// assert_eq!(sim.device_memory_used(), before + 4096);
+    /// let next = ctx.owner();
+    /// next.stream().unwrap();                        // one more stream
+    /// assert_eq!(sim.device_memory_used(), before + 4096 + STREAM_BYTES);
+    /// ```
     pub fn device_memory_used(&self) -> u64 {
         let st = self.lock();
         self.device_bytes(&st)

@@ -24,6 +24,8 @@
 //!   table of calls that invalidate captures included (capture.rs).
 //! * Host functions run one at a time on one worker thread, as on the real driver, and may not
 //!   call the driver (streams.rs).
+//! * Host-mapped memory and stream memory operations (`cuStreamWriteValue64`,
+//!   `cuStreamWaitValue32`) act on real host memory (hostmem.rs).
 //! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
 //!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
 
@@ -40,6 +42,7 @@ use std::time::{Duration, Instant};
 mod capture;
 mod events;
 mod faults;
+mod hostmem;
 mod latency;
 mod memory;
 mod streams;
@@ -47,6 +50,7 @@ mod streams;
 use capture::*;
 use events::*;
 use faults::Fault;
+use hostmem::*;
 use memory::*;
 use streams::*;
 
@@ -114,6 +118,8 @@ pub struct SimCounters {
     pub live_modules: u64,
     /// Contexts retained now.
     pub live_contexts: u64,
+    /// Host-mapped allocations (`cuMemHostAlloc`) alive now.
+    pub live_host_allocs: u64,
 }
 
 struct State {
@@ -130,7 +136,10 @@ struct State {
     execs: HashMap<u64, Arc<Vec<(Effect, u64)>>>,
     modules: HashMap<u64, ()>,
     functions: HashMap<u64, Kernel>,
-    release_threshold: u64,
+    /// Release threshold of each live pool: the default pool is `MemPool(1)`; pools made by
+    /// `cuMemPoolCreate` get the next handles.
+    pools: std::collections::BTreeMap<u64, u64>,
+    next_pool: u64,
     log: Option<Vec<Call>>,
     faults: Vec<Fault>,
     calls: u64,
@@ -150,6 +159,8 @@ struct State {
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
+    /// Host-mapped memory (hostmem.rs).
+    host_mem: HostMem,
 }
 
 static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
@@ -188,12 +199,9 @@ impl Drop for SimDriver {
     fn drop(&mut self) {
         // Ends the host-function thread and waits for it (unless this is that thread: the last
         // reference dropped by a host function), so that no thread outlives the simulation.
-        let worker = self
-            .state
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .host
-            .take();
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.host_mem.release_all();
+        let worker = st.host.take();
         if let Some(w) = worker {
             drop(w.tx);
             if w.thread.thread().id() != std::thread::current().id() {
@@ -224,11 +232,27 @@ fn err(code: ErrorCode, call: &'static str) -> Error {
 
 impl SimDriver {
     /// A simulation with a manual clock and the H200's properties.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.init().unwrap();
+    /// assert_eq!(sim.device_name(sim.device_get(0).unwrap()).unwrap(), "Simulated H200");
+    /// assert_eq!(sim.now(), 0);                      // time moves only when a test says so
+    /// ```
     pub fn new() -> SimDriver {
         SimDriver::with_config(SimConfig::default())
     }
 
-    /// A simulation with a real-time clock and the H200's latencies (the demo's model).
+    /// A simulation with a real-time clock and the default [`Latency`] costs (the demo's model).
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::SimDriver;
+    /// let sim = SimDriver::realtime();
+    /// let t0 = sim.now();
+    /// std::thread::sleep(std::time::Duration::from_millis(1));
+    /// assert!(sim.now() > t0);                       // the clock is real time
+    /// ```
     pub fn realtime() -> SimDriver {
         SimDriver::with_config(SimConfig {
             latency: Some(Latency::default()),
@@ -237,6 +261,17 @@ impl SimDriver {
     }
 
     /// A simulation with the given configuration.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
+    /// let sim = SimDriver::with_config(SimConfig {
+    ///     devices: 2,
+    ///     priority_range: (0, -1),
+    ///     ..SimConfig::default()
+    /// });
+    /// sim.init().unwrap();
+    /// assert_eq!(sim.device_count().unwrap(), 2);
+    /// ```
     pub fn with_config(cfg: SimConfig) -> SimDriver {
         let clock = if cfg.latency.is_some() {
             Clock::Real(Instant::now())
@@ -262,7 +297,8 @@ impl SimDriver {
                 execs: HashMap::new(),
                 modules: HashMap::new(),
                 functions: HashMap::new(),
-                release_threshold: 0,
+                pools: [(1, 0)].into_iter().collect(),
+                next_pool: 2,
                 log: Some(Vec::new()),
                 faults: Vec::new(),
                 calls: 0,
@@ -276,6 +312,7 @@ impl SimDriver {
                 host: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
+                host_mem: HostMem::default(),
             }),
             cv: Arc::new(Condvar::new()),
             host_calls: Mutex::new(Vec::new()),
@@ -308,7 +345,24 @@ impl SimDriver {
 
     // ---- test controls ----------------------------------------------------------------------
 
-    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks.
+    /// Misuse detected so far: use after free, double free, destroyed handles, deadlocks,
+    /// driver calls from host functions, and the memory-ordering [`SimDriver::findings`].
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let d = sim.clone();
+    /// s.launch_host_func(move || {
+    ///     let _ = d.device_count();                  // the real driver forbids this
+    /// })
+    /// .unwrap();
+    /// s.synchronize().unwrap();
+    /// assert!(sim.misuse().iter().any(|m| m.contains("driver call from a host function")));
+    /// ```
     pub fn misuse(&self) -> Vec<String> {
         let mut m = self.lock().misuse.clone();
         m.extend(
@@ -324,6 +378,24 @@ impl SimDriver {
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
     /// after free (`"use-after-free: ..."`), uninitialised reads (`"uninitialised read: ..."`)
     /// and accesses to graph-owned memory before the graph ran.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let other = ctx.owner();
+    /// let t = other.stream().unwrap();
+    /// let buf = DeviceBuffer::<u8>::zeroed(&s, 64).unwrap();
+    /// s.synchronize().unwrap();
+    /// // Two writes on two streams, nothing ordering them (the crate's `use_on` would):
+    /// sim.enqueue_access(s.raw(), buf.as_raw(), 64, true, 10).unwrap();
+    /// sim.enqueue_access(t.raw(), buf.as_raw(), 64, true, 10).unwrap();
+    /// ctx.synchronize().unwrap();
+    /// assert!(sim.findings().iter().any(|f| f.starts_with("race:")));
+    /// ```
     pub fn findings(&self) -> Vec<String> {
         self.misuse()
             .into_iter()
@@ -332,6 +404,18 @@ impl SimDriver {
     }
 
     /// Resource counters.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let c = sim.counters();
+    /// assert_eq!(c.live_streams, 2);                 // the owner's and the disposal stream
+    /// assert_eq!(c.live_contexts, 1);
+    /// ```
     pub fn counters(&self) -> SimCounters {
         self.lock().counters.clone()
     }
@@ -545,7 +629,10 @@ impl Driver for SimDriver {
             );
             let now = self.clock.now();
             for op in s.queue {
-                if matches!(op.kind, OpKind::Effect(_) | OpKind::Graph(_)) {
+                if matches!(
+                    op.kind,
+                    OpKind::Effect(_) | OpKind::Graph(_) | OpKind::WriteValue { .. }
+                ) {
                     Self::complete(&mut st, stream.0, op, now);
                 }
             }
@@ -661,7 +748,7 @@ impl Driver for SimDriver {
     ) -> Result<DevicePtr> {
         {
             let mut st = self.enter("cuMemAllocFromPoolAsync", Some(stream), None, None)?;
-            if pool.0 != 1 {
+            if !st.pools.contains_key(&pool.0) {
                 return Self::fail(
                     &mut st,
                     ErrorCode::ERROR_INVALID_VALUE,
@@ -688,6 +775,28 @@ impl Driver for SimDriver {
         Ok(MemPool(1))
     }
 
+    fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
+        let mut st = self.enter("cuMemPoolCreate", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolCreate");
+        }
+        let h = st.next_pool;
+        st.next_pool += 1;
+        st.pools.insert(h, 0);
+        Ok(MemPool(h))
+    }
+
+    unsafe fn mem_pool_destroy(&self, pool: MemPool) -> Result<()> {
+        let mut st = self.enter("cuMemPoolDestroy", None, None, None)?;
+        if pool.0 == 1 || st.pools.remove(&pool.0).is_none() {
+            st.misuse.push(format!(
+                "cuMemPoolDestroy of {pool:?}, which is not a live pool made by cuMemPoolCreate"
+            ));
+            return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolDestroy");
+        }
+        Ok(())
+    }
+
     unsafe fn mem_pool_set_attribute(
         &self,
         pool: MemPool,
@@ -695,28 +804,28 @@ impl Driver for SimDriver {
         value: u64,
     ) -> Result<()> {
         let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
-        if pool.0 != 1 || attr != MemPoolAttr::ReleaseThreshold {
+        if !st.pools.contains_key(&pool.0) || attr != MemPoolAttr::ReleaseThreshold {
             return Self::fail(
                 &mut st,
                 ErrorCode::ERROR_INVALID_VALUE,
                 "cuMemPoolSetAttribute",
             );
         }
-        st.release_threshold = value;
+        st.pools.insert(pool.0, value);
         Ok(())
     }
 
     unsafe fn mem_pool_get_attribute(&self, pool: MemPool, attr: MemPoolAttr) -> Result<u64> {
         let mut st = self.enter("cuMemPoolGetAttribute", None, None, None)?;
-        if pool.0 != 1 {
+        let Some(&threshold) = st.pools.get(&pool.0) else {
             return Self::fail(
                 &mut st,
                 ErrorCode::ERROR_INVALID_VALUE,
                 "cuMemPoolGetAttribute",
             );
-        }
+        };
         Ok(match attr {
-            MemPoolAttr::ReleaseThreshold => st.release_threshold,
+            MemPoolAttr::ReleaseThreshold => threshold,
             MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => {
                 st.counters.live_alloc_bytes
             }
@@ -792,6 +901,37 @@ impl Driver for SimDriver {
             dur,
             "cuMemcpyDtoHAsync_v2",
         )
+    }
+
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
+        self.do_mem_host_alloc(bytes, flags)
+    }
+
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr> {
+        self.do_mem_host_get_device_pointer(host)
+    }
+
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()> {
+        self.do_mem_free_host(host)
+    }
+
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        self.do_stream_write_value64(stream, addr, value)
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
+    ) -> Result<()> {
+        self.do_stream_wait_value32(stream, addr, value, cond)
     }
 
     unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {

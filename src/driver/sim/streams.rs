@@ -115,6 +115,17 @@ pub(super) enum OpKind {
         done: Arc<AtomicBool>,
     },
     Graph(Arc<Vec<(Effect, u64)>>),
+    /// `cuStreamWriteValue64`: stores `value` at the device address `addr` when it completes.
+    WriteValue {
+        addr: u64,
+        value: u64,
+    },
+    /// `cuStreamWaitValue32`: starts once the word at `addr` satisfies the condition.
+    WaitValue {
+        addr: u64,
+        value: u32,
+        cond: WaitValue,
+    },
 }
 
 pub(super) struct Op {
@@ -273,6 +284,8 @@ impl SimDriver {
                 // Records and waits inside a capture become graph edges; the model keeps the
                 // graph's operations in enqueue order, which respects every edge.
                 OpKind::Record { .. } | OpKind::Wait { .. } => {}
+                // Refused before they get here (hostmem.rs): never part of a capture.
+                OpKind::WriteValue { .. } | OpKind::WaitValue { .. } => {}
                 OpKind::Graph(ops) => {
                     for (e, d) in ops.iter() {
                         c.ops.push((Self::clone_effect(e), *d));
@@ -303,8 +316,12 @@ impl SimDriver {
             let ids: Vec<u64> = st.busy.iter().copied().collect();
             for id in ids {
                 loop {
-                    let (events, retired, streams) =
-                        (&st.events, &st.retired_events, &mut st.streams);
+                    let (events, retired, streams, host_mem) = (
+                        &st.events,
+                        &st.retired_events,
+                        &mut st.streams,
+                        &st.host_mem,
+                    );
                     let s = streams.get_mut(&id).unwrap();
                     let free_at = s.free_at;
                     let Some(head) = s.queue.front_mut() else {
@@ -319,6 +336,10 @@ impl SimDriver {
                                     Some(_) => None,
                                     None => Some(now),
                                 }
+                            }
+                            OpKind::WaitValue { addr, value, cond } => {
+                                Self::wait_passes(host_mem, *addr, *value, *cond)
+                                    .then_some(free_at.max(now))
                             }
                             _ => Some(free_at),
                         };
@@ -354,7 +375,7 @@ impl SimDriver {
                         }
                         head.dur = now.saturating_sub(start);
                     }
-                    let end = start + head.dur;
+                    let end = start.saturating_add(head.dur);
                     if end > now {
                         break;
                     }
@@ -405,6 +426,15 @@ impl SimDriver {
                     }
                 }
             }
+            OpKind::WriteValue { addr, value } => Self::land_write(st, addr, value),
+            OpKind::WaitValue { addr, .. } => {
+                if st.host_mem.host_addr(addr, 4).is_none() {
+                    Self::note_misuse(
+                        st,
+                        format!("cuStreamWaitValue32_v2 on freed host memory at {addr:#x}"),
+                    );
+                }
+            }
             OpKind::Wait { .. } | OpKind::Host { .. } => {}
         }
     }
@@ -418,6 +448,7 @@ impl SimDriver {
         done: impl Fn(&State) -> bool,
         then: impl FnOnce(&mut State),
     ) -> Result<()> {
+        let mut host_wait_since: Option<Instant> = None;
         loop {
             self.progress(&mut st);
             if done(&st) {
@@ -432,12 +463,14 @@ impl SimDriver {
             let now = self.clock.now();
             let mut next: Option<u64> = None;
             let mut host_running = false;
+            let mut value_wait = false;
             for s in st.busy.iter().filter_map(|id| st.streams.get(id)) {
                 if let Some(h) = s.queue.front() {
                     match (&h.kind, h.start) {
                         (OpKind::Host { .. }, Some(_)) => host_running = true,
+                        (OpKind::WaitValue { .. }, None) => value_wait = true,
                         (_, Some(t)) => {
-                            let end = (t + h.dur).max(now);
+                            let end = t.saturating_add(h.dur).max(now);
                             next = Some(next.map_or(end, |n: u64| n.min(end)));
                         }
                         _ => {}
@@ -458,6 +491,20 @@ impl SimDriver {
                     }
                     st = self.lock();
                 }
+                // A stream waits for a host write, which another thread may make at any time
+                // without a driver call: poll it, for at most 10 s.
+                (None, _)
+                    if value_wait
+                        && !host_running
+                        && host_wait_since.get_or_insert_with(Instant::now).elapsed()
+                            < Duration::from_secs(10) =>
+                {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
                 (None, _) if host_running => {
                     st = self
                         .cv
@@ -477,6 +524,20 @@ impl SimDriver {
     }
 
     /// Advances the manual clock by `ns` and completes what is due. No effect on a real clock.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// sim.advance(999);
+    /// assert!(sim.is_busy(s.raw()));
+    /// sim.advance(1);
+    /// assert!(!sim.is_busy(s.raw()));
+    /// ```
     pub fn advance(&self, ns: u64) {
         if let Clock::Manual(c) = &self.clock {
             c.fetch_add(ns, Ordering::AcqRel);
@@ -486,11 +547,43 @@ impl SimDriver {
     }
 
     /// The simulated time in nanoseconds.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let t0 = sim.now();
+    /// sim.enqueue_work(s.raw(), 2_000).unwrap();
+    /// s.synchronize().unwrap();                      // the manual clock jumps to the end
+    /// assert_eq!(sim.now(), t0 + 2_000);
+    /// ```
     pub fn now(&self) -> u64 {
         self.clock.now()
     }
 
     /// Enqueues `ns` of GPU work on a stream (a stand-in for a kernel in tests).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// assert!(!s.query().unwrap());
+    /// sim.advance(1_000);
+    /// assert!(s.query().unwrap());
+    /// ```
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_INVALID_HANDLE` for a stream that does not exist (also recorded as misuse),
+    /// `CUDA_ERROR_NOT_PERMITTED` from a host function, or an injected fault.
+    ///
+    /// Work that would end past the end of time (`ns = u64::MAX`) ends at `u64::MAX`.
     pub fn enqueue_work(&self, stream: Stream, ns: u64) -> Result<()> {
         let mut st = self.enter("sim:work", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "sim:work")?;
@@ -507,6 +600,25 @@ impl SimDriver {
     /// (`write == true`) the `bytes` bytes at `ptr`: a stand-in for a kernel that touches buffer
     /// memory, so that tests and the property-test model can exercise the race detector. A write
     /// initialises the bytes (their values are left as they are).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let buf = DeviceBuffer::<u8>::alloc(&s, 16).unwrap();
+    /// sim.enqueue_access(s.raw(), buf.as_raw(), 16, false, 10).unwrap();
+    /// s.synchronize().unwrap();
+    /// assert!(sim.findings()[0].starts_with("uninitialised read"));   // never written
+    /// ```
+    ///
+    /// # Errors
+    /// As [`SimDriver::enqueue_work`]; `CUDA_ERROR_INVALID_VALUE` when the range is not inside
+    /// one live allocation (also recorded as misuse).
+    ///
+    /// A range that overflows the address space is out of bounds (an error, never a panic).
     pub fn enqueue_access(
         &self,
         stream: Stream,
@@ -533,6 +645,19 @@ impl SimDriver {
 
     /// Whether a stream has pending work, without the capture rules of `cuStreamQuery` and
     /// without logging: the tests' view from outside.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let before = sim.call_count();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();
+    /// assert!(sim.is_busy(s.raw()));
+    /// assert_eq!(sim.call_count(), before + 1);      // the enqueue; `is_busy` is not a call
+    /// ```
     pub fn is_busy(&self, stream: Stream) -> bool {
         let mut st = self.lock();
         self.progress(&mut st);
@@ -542,6 +667,21 @@ impl SimDriver {
     }
 
     /// Whether a stream exists (created and not destroyed).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// use cuda_stream_pool::{OwnedStream, Priority};
+    /// let owned = OwnedStream::new(&ctx, Priority::Normal).unwrap();
+    /// let raw = owned.stream().raw();
+    /// assert!(sim.stream_exists(raw));
+    /// drop(owned);                                   // synchronized and destroyed
+    /// assert!(!sim.stream_exists(raw));
+    /// ```
     pub fn stream_exists(&self, stream: Stream) -> bool {
         self.lock().streams.contains_key(&stream.0)
     }

@@ -1,0 +1,203 @@
+//! An async GPU "server" on tokio's multi-thread runtime: N concurrent requests (default 10,000),
+//! each a task with its own `Owner` (attached, so `Context::stream()` inside is the task's
+//! stream) that allocates, launches a kernel, copies back asynchronously and awaits; every result
+//! is verified. Runs on the simulated driver (real-time latency model) when there is no GPU.
+//!
+//! `--mode` compares the strategies of issue 15:
+//! * `async` (default): the crate's async tasks (one pooled stream per task, completion futures);
+//! * `blocking`: the same work in `spawn_blocking` with a pooled stream and `synchronize`;
+//! * `shared`: one stream per worker thread (the thread's implicit owner), `synchronize`d in
+//!   `spawn_blocking`-free code (blocks the worker).
+//!
+//! ```sh
+//! cargo run --release --example async_server -- [--n 10000] [--mode async|blocking|shared] [--workers 16] [--json]
+//! ```
+//! Prints requests/s, p50/p99 latency, OS threads of the process, peak live streams and peak
+//! device memory (from the driver's free-memory query).
+
+use cuda_stream_pool::driver::{self, Choice, Driver, SimDriver};
+use cuda_stream_pool::kernels::Kernels;
+use cuda_stream_pool::{Context, DeviceBuffer};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const LEN: usize = 256;
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn os_threads() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Threads:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn check(v: &[u32], i: u32) -> Res<()> {
+    if v.len() != LEN || v.iter().any(|&x| x != i + 1) {
+        return Err(format!("request {i}: wrong result").into());
+    }
+    Ok(())
+}
+
+async fn request_async(ctx: Context, k: Arc<Kernels>, i: u32) -> Res<()> {
+    let copy = {
+        let s = ctx.stream()?; // the attached owner's stream
+        let b = DeviceBuffer::from_slice(&s, &[i; LEN])?;
+        k.add_u32(&s, &b, 1)?;
+        b.to_vec_async(&s)?
+    };
+    check(&copy.await?, i)
+}
+
+fn request_blocking(ctx: &Context, k: &Kernels, i: u32) -> Res<()> {
+    let owner = ctx.owner();
+    let s = owner.stream()?;
+    let b = DeviceBuffer::from_slice(&s, &[i; LEN])?;
+    k.add_u32(&s, &b, 1)?;
+    check(&b.to_vec(&s)?, i)
+}
+
+fn request_shared(ctx: &Context, k: &Kernels, i: u32) -> Res<()> {
+    let s = ctx.stream()?; // the worker thread's implicit owner: shared by its tasks
+    let b = DeviceBuffer::from_slice(&s, &[i; LEN])?;
+    k.add_u32(&s, &b, 1)?;
+    check(&b.to_vec(&s)?, i)
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let n: u32 = arg(&args, "--n", 10_000);
+    let workers: usize = arg(&args, "--workers", 16);
+    let mode: String = arg(&args, "--mode", "async".to_string());
+    let json = args.iter().any(|a| a == "--json");
+    let drv: Arc<dyn Driver> = match driver::load(Choice::Cuda) {
+        Ok((d, _)) => d,
+        Err(e) => {
+            eprintln!("no GPU ({e}); running on the simulated driver");
+            Arc::new(SimDriver::realtime())
+        }
+    };
+    let ctx = Context::primary(drv.clone(), 0)?;
+    let k = Arc::new(Kernels::load(&ctx)?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .max_blocking_threads(workers)
+        .enable_all()
+        .build()?;
+    let peak_streams = Arc::new(AtomicU64::new(0));
+    let peak_threads = Arc::new(AtomicU64::new(0));
+    let (free0, _) = {
+        let _o = ctx.owner();
+        drv.mem_get_info()?
+    };
+    let min_free = Arc::new(AtomicU64::new(free0 as u64));
+    let start = Instant::now();
+    let lat: Vec<u64> = rt.block_on(async {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let (ctx, ps, pt, mf, stop, d) = (
+                ctx.clone(),
+                peak_streams.clone(),
+                peak_threads.clone(),
+                min_free.clone(),
+                stop.clone(),
+                drv.clone(),
+            );
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    ps.fetch_max(ctx.live_streams(), Ordering::Relaxed);
+                    pt.fetch_max(os_threads(), Ordering::Relaxed);
+                    // SAFETY: the context is live (held by `ctx`).
+                    let _ = unsafe { d.ctx_set_current(ctx.raw()) };
+                    if let Ok((free, _)) = d.mem_get_info() {
+                        mf.fetch_min(free as u64, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            })
+        };
+        let mut handles = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let (ctx, k) = (ctx.clone(), k.clone());
+            let t0 = Instant::now();
+            let h = match mode.as_str() {
+                "blocking" => tokio::spawn(async move {
+                    tokio::task::spawn_blocking(move || request_blocking(&ctx, &k, i))
+                        .await
+                        .map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { e.into() })??;
+                    Ok::<u64, Box<dyn std::error::Error + Send + Sync>>(
+                        t0.elapsed().as_nanos() as u64
+                    )
+                }),
+                "shared" => tokio::spawn(async move {
+                    request_shared(&ctx, &k, i)?;
+                    Ok(t0.elapsed().as_nanos() as u64)
+                }),
+                _ => {
+                    let owner = ctx.owner();
+                    tokio::spawn(owner.attach(async move {
+                        request_async(ctx, k, i).await?;
+                        Ok(t0.elapsed().as_nanos() as u64)
+                    }))
+                }
+            };
+            handles.push(h);
+        }
+        let mut lat = Vec::with_capacity(n as usize);
+        let mut err: Option<String> = None;
+        for h in handles {
+            match h.await {
+                Ok(Ok(l)) => lat.push(l),
+                Ok(Err(e)) => err = err.or(Some(e.to_string())),
+                Err(e) => err = err.or(Some(e.to_string())),
+            }
+        }
+        stop.store(true, Ordering::Release);
+        let _ = sampler.join();
+        match err {
+            Some(e) => Err(e),
+            None => Ok(lat),
+        }
+    })?;
+    let wall = start.elapsed();
+    let mut lat = lat;
+    lat.sort_unstable();
+    let p = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize] as f64 / 1e3;
+    let rps = n as f64 / wall.as_secs_f64();
+    let dev_mib =
+        (free0 as u64).saturating_sub(min_free.load(Ordering::Relaxed)) as f64 / 1048576.0;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"mode": mode, "n": n, "workers": workers, "driver": drv.kind(),
+                "requests_per_s": rps, "p50_us": p(0.5), "p99_us": p(0.99),
+                "peak_os_threads": peak_threads.load(Ordering::Relaxed),
+                "peak_live_streams": peak_streams.load(Ordering::Relaxed),
+                "peak_device_mib": dev_mib})
+        );
+    } else {
+        println!(
+            "{mode} on {}: {n} requests verified, {rps:.0} requests/s, p50 {:.1} µs, p99 {:.1} µs, \
+             peak OS threads {}, peak live streams {}, peak device memory +{dev_mib:.1} MiB",
+            drv.kind(),
+            p(0.5),
+            p(0.99),
+            peak_threads.load(Ordering::Relaxed),
+            peak_streams.load(Ordering::Relaxed)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! Interop with [cudarc](https://docs.rs/cudarc) (feature `cudarc`): adopt a cudarc context
+//! safely, lend an owner's pooled stream to cudarc as an `Arc<CudaStream>`, and pass
+//! [`DeviceBuffer`]s to cudarc's launches and copies through [`CudarcUse`].
+//!
+//! The rules the types carry:
+//!
+//! * [`Context::from_cudarc`] keeps cudarc's `Arc<CudaContext>` alive for as long as the crate's
+//!   state lives, and puts cudarc in its multi-stream mode (cudarc then orders its own slices
+//!   across streams with events, pooled streams included).
+//! * [`StreamRef::cudarc_stream`] lends the stream ([`StreamRef::lend`]): whatever cudarc keeps
+//!   of it (its slices hold an `Arc<CudaStream>`) keeps the stream out of the pool, so no work
+//!   or free that cudarc enqueues later can land on a stream handed to another owner. Once the
+//!   last cudarc handle is gone, the stream goes back to the pool after its work completed.
+//! * [`DeviceBuffer::cudarc_use`] is a [`BufferUse`]: the stream is ordered after the buffer's
+//!   previous use, and the use is recorded when the guard is dropped, after the cudarc work was
+//!   enqueued. A cudarc launch on another stream than the use's is ordered both ways (see
+//!   [`CudarcUse`]).
+//!
+//! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
+//! mode carry no events: cudarc does not order them across streams (as with its own
+//! `new_stream`); allocate them afterwards, or order them yourself.
+
+use crate::context::{Context, ContextOptions};
+use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice};
+use crate::error::{Error, Result};
+use crate::memory::{BufferUse, DeviceBuffer, DeviceCopy};
+use crate::stream::StreamRef;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// What the crate's state keeps of cudarc's: its context, and one cudarc stream that keeps
+/// cudarc in multi-stream mode (so that it records events for its slices).
+struct CudarcKeep {
+    _stream: Arc<CudaStream>,
+    _ctx: Arc<CudaContext>,
+}
+
+impl Context {
+    /// Adopts cudarc's context: the crate's state for it, keeping `cu` alive for as long as
+    /// the state (and every owner, stream, buffer and graph made from it) lives. Loads the CUDA
+    /// driver (libcuda, as cudarc does) and creates one cudarc stream, held for the state's
+    /// lifetime, which switches cudarc to its multi-stream mode (it synchronizes the context
+    /// the first time): cudarc then orders its slices across the pooled streams it is lent.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use cuda_stream_pool::Context;
+    /// let cu = cudarc::driver::CudaContext::new(0)?;
+    /// let ctx = Context::from_cudarc(&cu)?;
+    /// let owner = ctx.owner();
+    /// let cs = owner.stream()?.cudarc_stream()?;    // cudarc's handle of the pooled stream
+    /// let x = cs.alloc_zeros::<f32>(1024)?;         // cudarc work on it
+    /// drop(owner);                                  // the stream stays out of the pool ...
+    /// drop(x);                                      // ... until cudarc's last handle is gone
+    /// drop(cs);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// The loader's error when libcuda cannot be used; the driver's (or cudarc's, as
+    /// [`Error::InvalidArgument`]) when the context cannot be adopted.
+    pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
+        Self::from_cudarc_with(cu, &ContextOptions::default())
+    }
+
+    /// [`Context::from_cudarc`] with options.
+    ///
+    /// # Errors
+    /// As [`Context::from_cudarc`] and [`Context::primary_with`].
+    pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: &ContextOptions) -> Result<Context> {
+        let (drv, _) = driver::load(Choice::Cuda)?;
+        let stream = cu
+            .new_stream()
+            .map_err(|e| Error::invalid(format!("cudarc: {e}")))?;
+        let keep = CudarcKeep {
+            _stream: stream,
+            _ctx: cu.clone(),
+        };
+        let raw = driver::Context::from(cu.cu_ctx());
+        // SAFETY: `raw` is cudarc's live context, loaded from the same libcuda; the
+        // `Arc<CudaContext>` in `keep` keeps it alive until this state's teardown is over.
+        unsafe { Context::adopt_with(drv, raw, Some(Box::new(keep)), options) }
+    }
+
+    /// The cudarc context this state was adopted from ([`Context::from_cudarc`]), if any.
+    pub fn cudarc_context(&self) -> Option<Arc<CudaContext>> {
+        self.inner
+            .keep_alive()
+            .and_then(|k| k.downcast_ref::<CudarcKeep>())
+            .map(|k| k._ctx.clone())
+    }
+}
+
+impl StreamRef<'_> {
+    /// The stream as a cudarc stream, lent for as long as cudarc holds it (see
+    /// [`StreamRef::lend`]): launch, allocate and copy on it with cudarc's own API. Every call
+    /// for the same stream returns the same `Arc`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the context was not adopted from cudarc
+    /// ([`Context::from_cudarc`]) or the stream is lent as another type.
+    pub fn cudarc_stream(&self) -> Result<Arc<CudaStream>> {
+        let cu = self.context().cudarc_context().ok_or_else(|| {
+            Error::invalid("cudarc_stream needs a context adopted with Context::from_cudarc")
+        })?;
+        self.lend(|raw| {
+            // SAFETY: `raw` is a stream of cudarc's context (the state adopted it). The loan
+            // keeps the stream alive, and out of other owners' hands, for as long as this
+            // wrapper or anything cloned from it lives; cudarc orders its own slices with
+            // events (multi-stream mode, set by `from_cudarc`) and the crate's buffers are
+            // ordered by `CudarcUse`.
+            Ok(unsafe { cu.wrap_borrowed_stream(raw.into()) })
+        })
+    }
+}
+
+impl<T: DeviceCopy> DeviceBuffer<T> {
+    /// Begins a use of the buffer on `stream` for cudarc work: a [`BufferUse`] that cudarc's
+    /// launches and copies take as a `DevicePtr` / `DevicePtrMut`. Enqueue the cudarc work while
+    /// the guard lives; the use is recorded when it is dropped.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::use_on`] and [`StreamRef::cudarc_stream`].
+    pub fn cudarc_use<'b>(&'b self, stream: &'b StreamRef<'_>) -> Result<CudarcUse<'b, T>> {
+        let cs = stream.cudarc_stream()?;
+        let inner = self.use_on(stream)?;
+        Ok(CudarcUse {
+            ptr: inner.ptr().0,
+            inner,
+            ctx: stream.context().clone(),
+            stream: cs,
+            len: self.len(),
+            _t: PhantomData,
+        })
+    }
+}
+
+/// A use of a [`DeviceBuffer`] on a lent stream, for cudarc: implements cudarc's
+/// `DeviceSlice`, `DevicePtr` and `DevicePtrMut`.
+///
+/// For a launch or copy on the use's own stream (the usual case) nothing more is needed. On
+/// another cudarc stream, `device_ptr` orders that stream after the use's stream (event wait)
+/// and returns a `SyncOnDrop` that synchronizes it once the work is enqueued, so the use is
+/// complete before the guard records it.
+///
+/// # Panics
+/// `device_ptr` / `device_ptr_mut` panic, before enqueuing anything, when asked for another
+/// stream that is capturing, or when either stream is capturing and they differ (no ordering
+/// is then possible without joining or invalidating a capture); the cudarc traits have no way
+/// to return the error.
+pub struct CudarcUse<'b, T> {
+    inner: BufferUse<'b>,
+    ptr: u64,
+    ctx: Context,
+    stream: Arc<CudaStream>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> std::fmt::Debug for CudarcUse<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudarcUse")
+            .field("use", &self.inner)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<T> CudarcUse<'_, T> {
+    /// Orders `other` after the use's stream, or panics (see the type's docs).
+    fn order_other<'a>(&'a self, other: &'a CudaStream) -> SyncOnDrop<'a> {
+        let mine = driver::Stream::from(self.stream.cu_stream());
+        let theirs = driver::Stream::from(other.cu_stream());
+        if mine == theirs {
+            return SyncOnDrop::Sync(None);
+        }
+        let ci = &self.ctx.inner;
+        let r = (|| -> Result<()> {
+            let _relaxed = CaptureModeGuard::relaxed(&*ci.driver)?;
+            for s in [mine, theirs] {
+                // SAFETY: both streams are live: the use's stream is held (the guard borrows
+                // its reference) and `other` is borrowed for this call.
+                if unsafe { ci.driver.stream_is_capturing(s) }? != CaptureStatus::None {
+                    return Err(Error::CaptureInProgress(
+                        "a CudarcUse cannot order a capturing stream".into(),
+                    ));
+                }
+            }
+            // SAFETY: as above; neither stream is capturing.
+            unsafe { ci.order_raw(mine, theirs) }
+        })();
+        if let Err(e) = r {
+            panic!("CudarcUse: cannot order cudarc's stream after the buffer's use: {e}");
+        }
+        SyncOnDrop::Sync(Some(other))
+    }
+}
+
+impl<T> DeviceSlice<T> for CudarcUse<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for CudarcUse<'_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, self.order_other(stream))
+    }
+}
+
+impl<T> DevicePtrMut<T> for CudarcUse<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        let s: &'a Self = self;
+        (s.ptr, s.order_other(stream))
+    }
+}
