@@ -1,17 +1,39 @@
-//! CPU costs of driver calls and GPU durations of operations (the demo's real-time model):
-//! the figures measured on an H200 (docs/gpu.md), spent by spinning so that strategies that make
-//! more or costlier driver calls are slower, as on the GPU.
+//! CPU costs of driver calls and GPU durations of operations (the demo's real-time model),
+//! calibrated to the H200 measurements recorded in `docs/data/` and listed, with where each
+//! number comes from, in `docs/data/h200-latency.json` (`tests/sim_latency.rs` fails when the
+//! model drifts more than 25% from that file). Costs are spent by spinning, so that strategies
+//! that make more or costlier driver calls are slower, as on the GPU.
 
 use super::*;
 
-/// CPU costs of driver calls and GPU durations of operations, in nanoseconds. The defaults are
-/// the H200 figures recorded in docs/gpu.md; GPU durations are for the demo's small kernels and copies.
+/// CPU costs of driver calls and GPU durations of operations, in nanoseconds, for the demo's
+/// real-time simulation ([`SimDriver::realtime`]).
+///
+/// The defaults are the H200's (driver 580.159.04, CUDA 13.0), from the repository's recorded
+/// benchmarks (`docs/data/h200-latency.json` says which run each comes from):
+///
+/// | figure | H200 (median of runs) | model |
+/// | --- | --- | --- |
+/// | `cuStreamCreate` + `cuStreamDestroy` of an idle stream | 5.66 µs (5.03–6.07) | `stream_create + stream_destroy` |
+/// | `cuStreamQuery` of an idle stream, one thread | 0.21 µs (0.17–0.26) | `query` |
+/// | `cuMemAllocAsync` + `cuMemFreeAsync`, 4 KiB | 0.85 µs (0.67–1.29) | `2 * alloc` |
+/// | `cuThreadExchangeStreamCaptureMode` | ~0.09 µs | `capture_mode_exchange` |
+/// | a new stream per task instead of one per thread (demo `short`, 1 thread, `fresh` − `floor`) | 19.5 µs (16.6–50.4) | `stream_create + stream_destroy + stream_first_pool_use` |
+///
+/// Launch, event, GPU and wake-up figures were not measured one by one; they are set so that the
+/// demo's one-thread rows come out near the H200's (the data file lists those rows too). Calls
+/// from several threads run concurrently here, while the real driver serialises them, so the
+/// simulation's multi-thread timings are not the H200's (the demo prints only one-thread rows on
+/// the simulation).
 #[derive(Clone, Debug)]
 pub struct Latency {
     /// `cuStreamCreate`.
     pub stream_create: u64,
     /// `cuStreamDestroy`.
     pub stream_destroy: u64,
+    /// The first `cuMemAllocAsync` on a stream (a new stream's first use of the memory pool):
+    /// what a new stream per task costs beyond its create and destroy.
+    pub stream_first_pool_use: u64,
     /// `cuStreamQuery` / `cuEventQuery`.
     pub query: u64,
     /// `cuEventRecord`, `cuStreamWaitEvent`, `cuEventCreate`.
@@ -23,6 +45,8 @@ pub struct Latency {
     pub alloc: u64,
     /// See `alloc`.
     pub alloc_per_stream: u64,
+    /// `cuThreadExchangeStreamCaptureMode` (the crate's switches to relaxed mode).
+    pub capture_mode_exchange: u64,
     /// GPU time of a small kernel.
     pub kernel_gpu: u64,
     /// GPU time of a small copy or memset.
@@ -34,13 +58,15 @@ pub struct Latency {
 impl Default for Latency {
     fn default() -> Self {
         Latency {
-            stream_create: 39_000,
-            stream_destroy: 5_000,
-            query: 600,
+            stream_create: 3_500,
+            stream_destroy: 2_150,
+            stream_first_pool_use: 13_900,
+            query: 205,
             event: 1_000,
             launch: 2_500,
-            alloc: 1_000,
+            alloc: 425,
             alloc_per_stream: 25,
+            capture_mode_exchange: 90,
             kernel_gpu: 3_000,
             copy_gpu: 2_000,
             sync: 5_000,

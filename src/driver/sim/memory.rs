@@ -628,7 +628,8 @@ impl SimDriver {
         st.counters.live_alloc_bytes += bytes as u64;
         st.counters.live_allocs += 1;
         let s = st.streams.get_mut(&stream.0).unwrap();
-        if !s.used_pool {
+        let first_pool_use = !s.used_pool;
+        if first_pool_use {
             s.used_pool = true;
             st.pool_streams += 1;
         }
@@ -636,6 +637,10 @@ impl SimDriver {
             c.ptr = Some(DevicePtr(p));
         }
         self.note_peak(&mut st);
+        if first_pool_use {
+            drop(st);
+            self.cost(|l| l.stream_first_pool_use);
+        }
         Ok(DevicePtr(p))
     }
 

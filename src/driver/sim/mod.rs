@@ -962,6 +962,7 @@ impl Driver for SimDriver {
     }
 
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        self.cost(|l| l.capture_mode_exchange);
         drop(self.enter("cuThreadExchangeStreamCaptureMode", None, None, None)?);
         let mut old = CaptureMode::Global;
         self.set_thread(|t| {

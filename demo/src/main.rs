@@ -1,22 +1,56 @@
 //! `cuda-stream-pool`: shows which driver the crate runs on and runs the seed's workloads.
 //!
+//! The workspace member `cuda-stream-pool-demo` (not published); from the repository root:
+//!
 //! ```text
 //! cargo run --release                     # real driver when present, else the simulation
 //! cargo run --release -- --driver sim     # force the simulation (--driver cuda forces the GPU)
+//! cargo run --release --features cudarc   # with the `cudarc` strategy
 //! ```
 
 use cuda_stream_pool::driver::{self, Choice, DeviceAttr};
 use cuda_stream_pool::Context;
+use demo::{note, out, DemoResult, Failure};
 use std::process::ExitCode;
 
 mod demo;
 
+/// One line: the demo's errors never span lines (a driver's message may).
+fn one_line(s: &str) -> String {
+    s.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn main() -> ExitCode {
-    let opts = <demo::Options as clap::Parser>::parse();
+    let opts = match <demo::Options as clap::Parser>::try_parse() {
+        Ok(o) => o,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            return match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    // A closed pipe (`--help | head -1`) loses the rest quietly.
+                    let _ = e.print();
+                    ExitCode::SUCCESS
+                }
+                _ => {
+                    // clap's first line is "error: ..."; its usage and tips are left out.
+                    let text = e.render().to_string();
+                    let first = text.lines().next().unwrap_or("error: invalid arguments");
+                    note(&format!("{first} (see --help)"));
+                    ExitCode::from(2)
+                }
+            };
+        }
+    };
     let (drv, fallback) = match driver::load(opts.choice()) {
         Ok(x) => x,
         Err(e) => {
-            eprintln!("error: cannot use the CUDA driver: {e}");
+            note(&one_line(&format!(
+                "error: cannot use the CUDA driver: {e}"
+            )));
             return ExitCode::from(1);
         }
     };
@@ -27,9 +61,9 @@ fn main() -> ExitCode {
         drv
     };
     match run(drv, fallback, opts) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) | Err(Failure::StdoutClosed) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            note(&one_line(&format!("error: {e}")));
             ExitCode::from(1)
         }
     }
@@ -39,25 +73,28 @@ fn run(
     drv: std::sync::Arc<dyn driver::Driver>,
     fallback: Option<cuda_stream_pool::Error>,
     opts: demo::Options,
-) -> cuda_stream_pool::Result<()> {
+) -> DemoResult<()> {
     // With --json, stdout carries only the rows; the header goes to stderr.
-    let say = |line: String| {
+    let say = |line: String| -> DemoResult<()> {
         if opts.json {
-            eprintln!("{line}")
+            note(&line);
+            Ok(())
         } else {
-            println!("{line}")
+            out(&line)
         }
     };
     let simulated = drv.kind() == "sim";
     if simulated {
-        say("driver: simulated (no GPU used; latencies modelled on an H200)".into());
+        say("driver: simulated (no GPU used; latencies modelled on an H200)".into())?;
         if let Some(why) = &fallback {
             if opts.choice() == Choice::Auto {
-                say(format!("        (real driver unavailable: {why})"));
+                say(one_line(&format!(
+                    "        (real driver unavailable: {why})"
+                )))?;
             }
         }
     } else {
-        say("driver: CUDA".into());
+        say("driver: CUDA".into())?;
     }
     drv.init()?;
     let dev = drv.device_get(0)?;
@@ -74,6 +111,6 @@ fn run(
         (version % 1000) / 10,
         range.least,
         range.greatest
-    ));
+    ))?;
     demo::run(&ctx, &opts)
 }
