@@ -843,16 +843,28 @@ impl CtxInner {
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
     /// host-function thread: there it only puts the stream back, with no driver call).
     pub(crate) fn release(&self, pool: &Arc<Pool>, slot: Arc<Slot>) {
+        self.release_slot(pool, slot, true)
+    }
+
+    /// [`CtxInner::release`]; `flush` is off when called from a flush (which holds no list).
+    fn release_slot(&self, pool: &Arc<Pool>, slot: Arc<Slot>, flush: bool) {
         let driver_ok = !on_host_fn_thread();
         if slot.is_lent() {
             match self.end_loan(&slot, driver_ok) {
                 LoanEnd::Returned => {}
-                LoanEnd::Out => return self.park(Some(pool.clone()), slot),
+                LoanEnd::Out => {
+                    self.park(Some(pool.clone()), slot);
+                    // Streams parked earlier may have come back meanwhile.
+                    if flush && driver_ok {
+                        self.flush_deferred();
+                    }
+                    return;
+                }
                 LoanEnd::Stuck => return,
             }
         }
         pool.release(&*self.driver, slot, driver_ok);
-        if driver_ok {
+        if flush && driver_ok {
             self.flush_deferred();
         }
     }
@@ -1099,7 +1111,7 @@ impl CtxInner {
         };
         for (pool, slot) in lent {
             match pool {
-                Some(pool) => self.release(&pool, slot),
+                Some(pool) => self.release_slot(&pool, slot, false),
                 None => self.destroy_or_keep(slot, wait),
             }
         }

@@ -212,3 +212,22 @@ fn one_handle_per_loan_and_one_type() {
     ctx.trim().unwrap();
     assert_eq!(ctx.stats().in_use, 0);
 }
+
+/// Found on the H200 (the cudarc example created a stream per request): a returned loan must be
+/// picked up by the next owner's release, not only by `trim`.
+#[test]
+fn returned_loans_come_back_at_the_next_release() {
+    let d = common::sim();
+    let ctx = common::ctx(&d);
+    for _ in 0..10 {
+        let o = ctx.owner();
+        let h = lend(&o.stream().unwrap());
+        drop(o); // parked: `h` still lives
+        drop(h); // returned, noticed by the next release
+    }
+    assert!(
+        ctx.stats().created <= 2,
+        "streams were not reused: {:?}",
+        ctx.stats()
+    );
+}
