@@ -133,10 +133,10 @@ mod pool;
 mod stream;
 
 pub use capture::{CaptureGuard, Graph, GraphExec};
-pub use context::{Context, Priority, PriorityRange};
+pub use context::{Context, ContextOptions, Priority, PriorityRange};
 pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
 pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};
-pub use owner::{end_thread_owner, Owner};
+pub use owner::{end_thread_owner, Owner, OwnerReady};
 pub use pool::{PoolStats, MAX_IDLE};
 pub use stream::{OwnedStream, StreamRef};
