@@ -512,6 +512,57 @@ fn mem_pool_release_threshold(d: &Arc<dyn Driver>) {
     }
 }
 
+/// Host-mapped memory and stream memory operations: a `cuStreamWriteValue64` lands in host
+/// memory only after the stream's earlier work (held by a host function) and is then visible to a
+/// plain host read; a `cuStreamWaitValue32` holds the stream, and everything behind it, until the
+/// host writes the word, and the write-value behind it lands after that.
+fn host_mapped_write_and_wait(d: &Arc<dyn Driver>) {
+    use cuda_stream_pool::driver::{host_alloc_flags, WaitValue};
+    use std::sync::atomic::AtomicU64;
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live;
+    // the host memory is freed after both streams were synchronized (nothing targets it then).
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let host = d
+            .mem_host_alloc(64, host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE)
+            .unwrap();
+        let flag = &*(host as *const AtomicU64);
+        let word = &*(host.add(8) as *const AtomicU32);
+        assert_eq!(flag.load(Ordering::Acquire), 0);
+        let dev = d.mem_host_get_device_pointer(host).unwrap();
+        let mut g = Gate::on(&**d, s);
+        d.stream_write_value64(s, dev, 7).unwrap();
+        assert!(!d.stream_query(s).unwrap());
+        assert_eq!(
+            flag.load(Ordering::Acquire),
+            0,
+            "landed before earlier work"
+        );
+        g.open();
+        d.stream_synchronize(s).unwrap();
+        assert_eq!(flag.load(Ordering::Acquire), 7);
+
+        // A GPU-side wait on the host word.
+        let dev_word = DevicePtr(dev.0 + 8);
+        d.stream_wait_value32(s, dev_word, 1, WaitValue::Geq)
+            .unwrap();
+        d.stream_write_value64(s, dev, 8).unwrap();
+        assert!(!d.stream_query(s).unwrap());
+        assert_eq!(
+            flag.load(Ordering::Acquire),
+            7,
+            "passed an unsatisfied wait"
+        );
+        word.store(1, Ordering::Release);
+        d.stream_synchronize(s).unwrap();
+        assert_eq!(flag.load(Ordering::Acquire), 8);
+        assert!(d.stream_query(s).unwrap());
+        d.stream_destroy(s).unwrap();
+        d.mem_free_host(host).unwrap();
+    }
+}
+
 on_both_drivers! {
     query_idle_and_busy,
     event_orders_across_streams,
@@ -536,4 +587,5 @@ on_both_drivers! {
     empty_capture,
     alloc_and_free_inside_capture,
     mem_pool_release_threshold,
+    host_mapped_write_and_wait,
 }

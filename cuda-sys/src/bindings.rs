@@ -4,6 +4,7 @@
 
 pub type CUdevice = ::std::os::raw::c_int;
 pub type CUdeviceptr = ::std::os::raw::c_ulonglong;
+pub type cuuint32_t = u32;
 pub type cuuint64_t = u64;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -192,6 +193,33 @@ impl CUmemPool_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemPool_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmemPool_attribute_enum as CUmemPool_attribute;
+impl CUstreamWaitValue_flags_enum {
+    pub const CU_STREAM_WAIT_VALUE_GEQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        0,
+    );
+    pub const CU_STREAM_WAIT_VALUE_EQ: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        1,
+    );
+    pub const CU_STREAM_WAIT_VALUE_AND: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        2,
+    );
+    pub const CU_STREAM_WAIT_VALUE_NOR: CUstreamWaitValue_flags_enum = CUstreamWaitValue_flags_enum(
+        3,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWaitValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWaitValue_flags_enum as CUstreamWaitValue_flags;
+impl CUstreamWriteValue_flags_enum {
+    pub const CU_STREAM_WRITE_VALUE_DEFAULT: CUstreamWriteValue_flags_enum = CUstreamWriteValue_flags_enum(
+        0,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWriteValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWriteValue_flags_enum as CUstreamWriteValue_flags;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(
         1,
@@ -439,6 +467,44 @@ pub struct CudaLib {
         ) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuMemHostAlloc: Result<
+        unsafe extern "C" fn(
+            pp: *mut *mut ::std::os::raw::c_void,
+            bytesize: usize,
+            Flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemHostGetDevicePointer_v2: Result<
+        unsafe extern "C" fn(
+            pdptr: *mut CUdeviceptr,
+            p: *mut ::std::os::raw::c_void,
+            Flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuMemFreeHost: Result<
+        unsafe extern "C" fn(p: *mut ::std::os::raw::c_void) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuStreamWriteValue64_v2: Result<
+        unsafe extern "C" fn(
+            stream: CUstream,
+            addr: CUdeviceptr,
+            value: cuuint64_t,
+            flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
+    pub cuStreamWaitValue32_v2: Result<
+        unsafe extern "C" fn(
+            stream: CUstream,
+            addr: CUdeviceptr,
+            value: cuuint32_t,
+            flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuStreamBeginCapture_v2: Result<
         unsafe extern "C" fn(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult,
         ::libloading::Error,
@@ -623,6 +689,17 @@ impl CudaLib {
             .get(b"cuMemcpyDtoHAsync_v2\0")
             .map(|sym| *sym);
         let cuMemsetD32Async = __library.get(b"cuMemsetD32Async\0").map(|sym| *sym);
+        let cuMemHostAlloc = __library.get(b"cuMemHostAlloc\0").map(|sym| *sym);
+        let cuMemHostGetDevicePointer_v2 = __library
+            .get(b"cuMemHostGetDevicePointer_v2\0")
+            .map(|sym| *sym);
+        let cuMemFreeHost = __library.get(b"cuMemFreeHost\0").map(|sym| *sym);
+        let cuStreamWriteValue64_v2 = __library
+            .get(b"cuStreamWriteValue64_v2\0")
+            .map(|sym| *sym);
+        let cuStreamWaitValue32_v2 = __library
+            .get(b"cuStreamWaitValue32_v2\0")
+            .map(|sym| *sym);
         let cuStreamBeginCapture_v2 = __library
             .get(b"cuStreamBeginCapture_v2\0")
             .map(|sym| *sym);
@@ -691,6 +768,11 @@ impl CudaLib {
             cuMemcpyHtoDAsync_v2,
             cuMemcpyDtoHAsync_v2,
             cuMemsetD32Async,
+            cuMemHostAlloc,
+            cuMemHostGetDevicePointer_v2,
+            cuMemFreeHost,
+            cuStreamWriteValue64_v2,
+            cuStreamWaitValue32_v2,
             cuStreamBeginCapture_v2,
             cuStreamEndCapture,
             cuStreamIsCapturing,
@@ -1026,6 +1108,55 @@ impl CudaLib {
             .cuMemsetD32Async
             .as_ref()
             .expect("Expected function, got error."))(dstDevice, ui, N, hStream)
+    }
+    pub unsafe fn cuMemHostAlloc(
+        &self,
+        pp: *mut *mut ::std::os::raw::c_void,
+        bytesize: usize,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuMemHostAlloc
+            .as_ref()
+            .expect("Expected function, got error."))(pp, bytesize, Flags)
+    }
+    pub unsafe fn cuMemHostGetDevicePointer_v2(
+        &self,
+        pdptr: *mut CUdeviceptr,
+        p: *mut ::std::os::raw::c_void,
+        Flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuMemHostGetDevicePointer_v2
+            .as_ref()
+            .expect("Expected function, got error."))(pdptr, p, Flags)
+    }
+    pub unsafe fn cuMemFreeHost(&self, p: *mut ::std::os::raw::c_void) -> CUresult {
+        (self.cuMemFreeHost.as_ref().expect("Expected function, got error."))(p)
+    }
+    pub unsafe fn cuStreamWriteValue64_v2(
+        &self,
+        stream: CUstream,
+        addr: CUdeviceptr,
+        value: cuuint64_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuStreamWriteValue64_v2
+            .as_ref()
+            .expect("Expected function, got error."))(stream, addr, value, flags)
+    }
+    pub unsafe fn cuStreamWaitValue32_v2(
+        &self,
+        stream: CUstream,
+        addr: CUdeviceptr,
+        value: cuuint32_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuStreamWaitValue32_v2
+            .as_ref()
+            .expect("Expected function, got error."))(stream, addr, value, flags)
     }
     pub unsafe fn cuStreamBeginCapture_v2(
         &self,

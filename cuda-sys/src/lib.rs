@@ -134,6 +134,7 @@ impl std::error::Error for MissingSymbol {}
 pub fn introduced_in(symbol: &str) -> &'static str {
     match symbol {
         "cuStreamGetCaptureInfo_v3" => "12.3",
+        "cuStreamWriteValue64_v2" | "cuStreamWaitValue32_v2" => "11.7",
         "cuGraphInstantiateWithFlags" => "11.4",
         "cuMemAllocAsync"
         | "cuMemFreeAsync"
@@ -157,7 +158,11 @@ pub fn introduced_in(symbol: &str) -> &'static str {
         "cuGetErrorName" | "cuGetErrorString" | "cuStreamGetFlags" => "6.0",
         "cuDevicePrimaryCtxRetain" => "7.0",
         "cuStreamDestroy_v2" | "cuEventDestroy_v2" | "cuCtxGetCurrent" | "cuCtxSetCurrent" => "4.0",
-        "cuMemGetInfo_v2" | "cuMemcpyHtoDAsync_v2" | "cuMemcpyDtoHAsync_v2" => "3.2",
+        "cuMemGetInfo_v2"
+        | "cuMemcpyHtoDAsync_v2"
+        | "cuMemcpyDtoHAsync_v2"
+        | "cuMemHostGetDevicePointer_v2" => "3.2",
+        "cuMemHostAlloc" => "2.2",
         "cuLaunchKernel" | "cuMemsetD32Async" => "4.0",
         _ => "2.0",
     }
@@ -182,6 +187,8 @@ mod tests {
     fn versions_of_new_entry_points() {
         assert_eq!(introduced_in("cuMemAllocAsync"), "11.2");
         assert_eq!(introduced_in("cuStreamGetCaptureInfo_v3"), "12.3");
+        assert_eq!(introduced_in("cuStreamWriteValue64_v2"), "11.7");
+        assert_eq!(introduced_in("cuMemHostAlloc"), "2.2");
         let m = MissingSymbol {
             symbol: "cuMemAllocAsync",
             since: introduced_in("cuMemAllocAsync"),

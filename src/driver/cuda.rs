@@ -464,6 +464,64 @@ impl Driver for CudaDriver {
         )
     }
 
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
+        let f = sym!(self.cuMemHostAlloc);
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-parameter is a live local; size and flags are validated by the driver.
+        self.check(
+            unsafe { f(&mut p, bytes, flags as c_uint) },
+            "cuMemHostAlloc",
+        )?;
+        Ok(p as *mut u8)
+    }
+
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr> {
+        let f = sym!(self.cuMemHostGetDevicePointer_v2);
+        let mut d: ffi::CUdeviceptr = 0;
+        // SAFETY: out-parameter is a live local; the caller passes host-mapped memory; flags
+        // must be 0.
+        self.check(
+            unsafe { f(&mut d, host as *mut c_void, 0) },
+            "cuMemHostGetDevicePointer_v2",
+        )?;
+        Ok(DevicePtr(d))
+    }
+
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()> {
+        let f = sym!(self.cuMemFreeHost);
+        // SAFETY: the caller passes a live allocation of cuMemHostAlloc that nothing uses any more.
+        self.check(unsafe { f(host as *mut c_void) }, "cuMemFreeHost")
+    }
+
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        let f = sym!(self.cuStreamWriteValue64_v2);
+        // SAFETY: value arguments; the caller keeps `addr` valid until the write has happened.
+        self.check(
+            unsafe { f(ptr(stream.0), addr.0, value, 0) },
+            "cuStreamWriteValue64_v2",
+        )
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
+    ) -> Result<()> {
+        let f = sym!(self.cuStreamWaitValue32_v2);
+        // SAFETY: value arguments; the caller keeps `addr` valid until the wait is satisfied.
+        self.check(
+            unsafe { f(ptr(stream.0), addr.0, value, cond.raw() as c_uint) },
+            "cuStreamWaitValue32_v2",
+        )
+    }
+
     unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {
         let f = sym!(self.cuStreamBeginCapture_v2);
         // SAFETY: value arguments.

@@ -70,6 +70,49 @@ pub mod event_flags {
     pub const DISABLE_TIMING: u32 = 2;
 }
 
+/// `cuMemHostAlloc` flags.
+pub mod host_alloc_flags {
+    /// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every context, not only the current one.
+    pub const PORTABLE: u32 = 0x01;
+    /// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device's address space
+    /// ([`super::Driver::mem_host_get_device_pointer`]).
+    pub const DEVICEMAP: u32 = 0x02;
+}
+
+/// The condition of a [`Driver::stream_wait_value32`] (`CUstreamWaitValue_flags`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WaitValue {
+    /// `CU_STREAM_WAIT_VALUE_GEQ`: until `(int32_t)(*addr - value) >= 0` (cyclic).
+    Geq,
+    /// `CU_STREAM_WAIT_VALUE_EQ`: until `*addr == value`.
+    Eq,
+    /// `CU_STREAM_WAIT_VALUE_AND`: until `(*addr & value) != 0`.
+    And,
+    /// `CU_STREAM_WAIT_VALUE_NOR`: until `!(*addr | value) != 0`.
+    Nor,
+}
+
+impl WaitValue {
+    /// The driver's number for the condition.
+    pub fn raw(self) -> u32 {
+        match self {
+            WaitValue::Geq => 0,
+            WaitValue::Eq => 1,
+            WaitValue::And => 2,
+            WaitValue::Nor => 3,
+        }
+    }
+    /// Whether `current` (the word in memory) satisfies the condition against `value`.
+    pub fn holds(self, current: u32, value: u32) -> bool {
+        match self {
+            WaitValue::Geq => (current.wrapping_sub(value) as i32) >= 0,
+            WaitValue::Eq => current == value,
+            WaitValue::And => current & value != 0,
+            WaitValue::Nor => !(current | value) != 0,
+        }
+    }
+}
+
 /// `CUstreamCaptureMode`: which API calls a capture forbids, and on which threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CaptureMode {
@@ -350,6 +393,52 @@ pub trait Driver: Send + Sync + 'static {
         src: DevicePtr,
         bytes: usize,
         stream: Stream,
+    ) -> Result<()>;
+
+    /// `cuMemHostAlloc` of `bytes` bytes of page-locked host memory with `flags`
+    /// ([`host_alloc_flags`]), in the current context; zero-filled by the simulation only.
+    /// The memory must be freed with [`Driver::mem_free_host`].
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8>;
+    /// `cuMemHostGetDevicePointer_v2`: the device address of host memory allocated with
+    /// [`host_alloc_flags::DEVICEMAP`].
+    ///
+    /// # Safety
+    /// `host` must point into a live allocation of [`Driver::mem_host_alloc`] of this driver.
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr>;
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    /// `host` must be the start of a live allocation of [`Driver::mem_host_alloc`] of this
+    /// driver, freed once, that no host code and no pending GPU work (a stream write or wait
+    /// on its device address, a copy) uses afterwards.
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()>;
+    /// `cuStreamWriteValue64_v2` with default flags: once the stream's earlier work has
+    /// completed (and its memory writes are visible), writes the 64-bit `value` to `addr`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream that is not being captured, and `addr` an 8-byte aligned
+    /// device address (of host-mapped memory, for the host to read) that stays valid until the
+    /// write has happened and that nothing else writes concurrently.
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()>;
+    /// `cuStreamWaitValue32_v2`: the stream's later work waits until the 32-bit word at `addr`
+    /// satisfies `cond` against `value`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream that is not being captured, and `addr` a 4-byte aligned
+    /// device address that stays valid until the wait is satisfied. The stream (and whatever
+    /// waits for it, `cuCtxSynchronize` included) blocks until someone writes the value: the
+    /// caller must make sure that happens.
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
     ) -> Result<()>;
 
     /// `cuStreamBeginCapture_v2`.

@@ -7,7 +7,7 @@
 
 use cuda_stream_pool::driver::{
     CaptureMode, CaptureStatus, Context, Device, DeviceAttr, DevicePtr, Driver, Event, Function,
-    Graph, GraphExec, HostFn, MemPool, MemPoolAttr, Module, SimDriver, Stream,
+    Graph, GraphExec, HostFn, MemPool, MemPoolAttr, Module, SimDriver, Stream, WaitValue,
 };
 use cuda_stream_pool::Result;
 use std::ffi::CStr;
@@ -287,6 +287,37 @@ impl<H: Hook> Driver for Hooked<H> {
             self.inner
                 .launch_kernel(func, grid, block, shared_bytes, stream, params)
         }
+    }
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
+        self.hook.before("cuMemHostAlloc");
+        self.inner.mem_host_alloc(bytes, flags)
+    }
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr> {
+        self.hook.before("cuMemHostGetDevicePointer_v2");
+        self.inner.mem_host_get_device_pointer(host)
+    }
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()> {
+        self.hook.before("cuMemFreeHost");
+        self.inner.mem_free_host(host)
+    }
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        self.hook.before("cuStreamWriteValue64_v2");
+        self.inner.stream_write_value64(stream, addr, value)
+    }
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
+    ) -> Result<()> {
+        self.hook.before("cuStreamWaitValue32_v2");
+        self.inner.stream_wait_value32(stream, addr, value, cond)
     }
     unsafe fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
         self.hook.before("cuLaunchHostFunc");

@@ -24,6 +24,8 @@
 //!   table of calls that invalidate captures included (capture.rs).
 //! * Host functions run one at a time on one worker thread, as on the real driver, and may not
 //!   call the driver (streams.rs).
+//! * Host-mapped memory and stream memory operations (`cuStreamWriteValue64`,
+//!   `cuStreamWaitValue32`) act on real host memory (hostmem.rs).
 //! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
 //!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
 
@@ -40,6 +42,7 @@ use std::time::{Duration, Instant};
 mod capture;
 mod events;
 mod faults;
+mod hostmem;
 mod latency;
 mod memory;
 mod streams;
@@ -47,6 +50,7 @@ mod streams;
 use capture::*;
 use events::*;
 use faults::Fault;
+use hostmem::*;
 use memory::*;
 use streams::*;
 
@@ -114,6 +118,8 @@ pub struct SimCounters {
     pub live_modules: u64,
     /// Contexts retained now.
     pub live_contexts: u64,
+    /// Host-mapped allocations (`cuMemHostAlloc`) alive now.
+    pub live_host_allocs: u64,
 }
 
 struct State {
@@ -150,6 +156,8 @@ struct State {
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
+    /// Host-mapped memory (hostmem.rs).
+    host_mem: HostMem,
 }
 
 static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
@@ -188,12 +196,9 @@ impl Drop for SimDriver {
     fn drop(&mut self) {
         // Ends the host-function thread and waits for it (unless this is that thread: the last
         // reference dropped by a host function), so that no thread outlives the simulation.
-        let worker = self
-            .state
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .host
-            .take();
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.host_mem.release_all();
+        let worker = st.host.take();
         if let Some(w) = worker {
             drop(w.tx);
             if w.thread.thread().id() != std::thread::current().id() {
@@ -276,6 +281,7 @@ impl SimDriver {
                 host: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
+                host_mem: HostMem::default(),
             }),
             cv: Arc::new(Condvar::new()),
             host_calls: Mutex::new(Vec::new()),
@@ -545,7 +551,10 @@ impl Driver for SimDriver {
             );
             let now = self.clock.now();
             for op in s.queue {
-                if matches!(op.kind, OpKind::Effect(_) | OpKind::Graph(_)) {
+                if matches!(
+                    op.kind,
+                    OpKind::Effect(_) | OpKind::Graph(_) | OpKind::WriteValue { .. }
+                ) {
                     Self::complete(&mut st, stream.0, op, now);
                 }
             }
@@ -792,6 +801,37 @@ impl Driver for SimDriver {
             dur,
             "cuMemcpyDtoHAsync_v2",
         )
+    }
+
+    fn mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
+        self.do_mem_host_alloc(bytes, flags)
+    }
+
+    unsafe fn mem_host_get_device_pointer(&self, host: *mut u8) -> Result<DevicePtr> {
+        self.do_mem_host_get_device_pointer(host)
+    }
+
+    unsafe fn mem_free_host(&self, host: *mut u8) -> Result<()> {
+        self.do_mem_free_host(host)
+    }
+
+    unsafe fn stream_write_value64(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        self.do_stream_write_value64(stream, addr, value)
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: Stream,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitValue,
+    ) -> Result<()> {
+        self.do_stream_wait_value32(stream, addr, value, cond)
     }
 
     unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> Result<()> {

@@ -115,6 +115,17 @@ pub(super) enum OpKind {
         done: Arc<AtomicBool>,
     },
     Graph(Arc<Vec<(Effect, u64)>>),
+    /// `cuStreamWriteValue64`: stores `value` at the device address `addr` when it completes.
+    WriteValue {
+        addr: u64,
+        value: u64,
+    },
+    /// `cuStreamWaitValue32`: starts once the word at `addr` satisfies the condition.
+    WaitValue {
+        addr: u64,
+        value: u32,
+        cond: WaitValue,
+    },
 }
 
 pub(super) struct Op {
@@ -273,6 +284,8 @@ impl SimDriver {
                 // Records and waits inside a capture become graph edges; the model keeps the
                 // graph's operations in enqueue order, which respects every edge.
                 OpKind::Record { .. } | OpKind::Wait { .. } => {}
+                // Refused before they get here (hostmem.rs): never part of a capture.
+                OpKind::WriteValue { .. } | OpKind::WaitValue { .. } => {}
                 OpKind::Graph(ops) => {
                     for (e, d) in ops.iter() {
                         c.ops.push((Self::clone_effect(e), *d));
@@ -303,8 +316,12 @@ impl SimDriver {
             let ids: Vec<u64> = st.busy.iter().copied().collect();
             for id in ids {
                 loop {
-                    let (events, retired, streams) =
-                        (&st.events, &st.retired_events, &mut st.streams);
+                    let (events, retired, streams, host_mem) = (
+                        &st.events,
+                        &st.retired_events,
+                        &mut st.streams,
+                        &st.host_mem,
+                    );
                     let s = streams.get_mut(&id).unwrap();
                     let free_at = s.free_at;
                     let Some(head) = s.queue.front_mut() else {
@@ -319,6 +336,10 @@ impl SimDriver {
                                     Some(_) => None,
                                     None => Some(now),
                                 }
+                            }
+                            OpKind::WaitValue { addr, value, cond } => {
+                                Self::wait_passes(host_mem, *addr, *value, *cond)
+                                    .then_some(free_at.max(now))
                             }
                             _ => Some(free_at),
                         };
@@ -405,6 +426,15 @@ impl SimDriver {
                     }
                 }
             }
+            OpKind::WriteValue { addr, value } => Self::land_write(st, addr, value),
+            OpKind::WaitValue { addr, .. } => {
+                if st.host_mem.host_addr(addr, 4).is_none() {
+                    Self::note_misuse(
+                        st,
+                        format!("cuStreamWaitValue32_v2 on freed host memory at {addr:#x}"),
+                    );
+                }
+            }
             OpKind::Wait { .. } | OpKind::Host { .. } => {}
         }
     }
@@ -418,6 +448,7 @@ impl SimDriver {
         done: impl Fn(&State) -> bool,
         then: impl FnOnce(&mut State),
     ) -> Result<()> {
+        let mut host_wait_since: Option<Instant> = None;
         loop {
             self.progress(&mut st);
             if done(&st) {
@@ -432,10 +463,12 @@ impl SimDriver {
             let now = self.clock.now();
             let mut next: Option<u64> = None;
             let mut host_running = false;
+            let mut value_wait = false;
             for s in st.busy.iter().filter_map(|id| st.streams.get(id)) {
                 if let Some(h) = s.queue.front() {
                     match (&h.kind, h.start) {
                         (OpKind::Host { .. }, Some(_)) => host_running = true,
+                        (OpKind::WaitValue { .. }, None) => value_wait = true,
                         (_, Some(t)) => {
                             let end = (t + h.dur).max(now);
                             next = Some(next.map_or(end, |n: u64| n.min(end)));
@@ -457,6 +490,20 @@ impl SimDriver {
                         spin(dt);
                     }
                     st = self.lock();
+                }
+                // A stream waits for a host write, which another thread may make at any time
+                // without a driver call: poll it, for at most 10 s.
+                (None, _)
+                    if value_wait
+                        && !host_running
+                        && host_wait_since.get_or_insert_with(Instant::now).elapsed()
+                            < Duration::from_secs(10) =>
+                {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
                 }
                 (None, _) if host_running => {
                     st = self
