@@ -19,7 +19,7 @@ use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context as TaskContext, Poll, Waker};
 
@@ -43,10 +43,18 @@ pub(crate) struct Slot {
     /// A copy of (generation, capturing, held, destroyed), written under the lock, read without
     /// it by [`Slot::is_current`] and [`Slot::is_capturing`].
     word: AtomicU64,
-    /// Set while a wake-up host function of the pool's gate is enqueued on the (retired) stream:
-    /// one per stream, however many acquires wait.
-    armed: AtomicBool,
+    /// The wake-up host function of the pool's gate on the (retired) stream: [`UNARMED`],
+    /// [`ARMED`] (enqueued: one per stream, however many acquisitions wait) or [`RAN`].
+    armed: AtomicU8,
 }
+
+/// No wake-up host function is pending on the stream.
+const UNARMED: u8 = 0;
+/// A wake-up host function is enqueued on the stream.
+const ARMED: u8 = 1;
+/// The wake-up host function has run: the work enqueued before it has completed, and the
+/// stream is idle as soon as the function returns.
+const RAN: u8 = 2;
 
 fn word(st: &SlotState) -> u64 {
     (st.generation << 3)
@@ -168,7 +176,7 @@ impl Slot {
             flags,
             word: AtomicU64::new(word(&st)),
             state: Mutex::new(st),
-            armed: AtomicBool::new(false),
+            armed: AtomicU8::new(UNARMED),
         }
     }
 
@@ -327,6 +335,19 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
     !st.capturing && !st.destroyed && unsafe { driver.stream_query(slot.raw) }.unwrap_or(false)
 }
 
+/// A retired stream that reports busy although its wake-up host function has run: the work
+/// before it has completed, and only the function's return is pending. Waits for that (the
+/// function only notifies the gate: microseconds) and returns whether the stream is idle now.
+/// Without it, a waiter woken by the function would find the stream busy and arm another one,
+/// which could race the same way, again and again.
+fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+    if st.capturing || st.destroyed || slot.armed.load(Ordering::Acquire) != RAN {
+        return false;
+    }
+    // SAFETY: the stream is live (not destroyed, under its lock we hold) and not captured.
+    unsafe { driver.stream_synchronize(slot.raw) }.is_ok() && is_idle(driver, slot, st)
+}
+
 /// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
 /// and not captured; with `wait`, after waiting for its work. Returns whether it did. The
 /// generation is bumped under the stream's lock, so a buffer last used on it then frees on the
@@ -381,10 +402,23 @@ impl Wake {
 
 struct Waiter {
     id: u64,
-    /// Set when the waiter should make an attempt: it just joined, or something came back
-    /// (a release, a completed retired stream, a destroy, a failed creation) while it was first.
-    notified: bool,
+    /// Notifications not yet acted on: something came back (a release, a completed retired
+    /// stream, a destroy, a failed creation) while the waiter was first; 1 when it joins an
+    /// empty queue.
+    notified: u32,
+    /// Notifications its current attempt acts on: when it is served, all but one are passed to
+    /// the next waiter (each may stand for a stream that came back).
+    consumed: u32,
     wake: Wake,
+}
+
+impl Waiter {
+    fn waker(&self) -> Wake {
+        match &self.wake {
+            Wake::Thread(t) => Wake::Thread(t.clone()),
+            Wake::Task(k) => Wake::Task(k.clone()),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -395,14 +429,15 @@ struct Queue {
 
 /// The cap on live streams of one key and the FIFO queue of acquisitions waiting under it.
 ///
-/// Only the first waiter of the queue makes attempts; it is notified (its flag set and its thread
-/// unparked or its task woken) by everything that can make an attempt succeed: a release, a
-/// retired stream's work completing (a host function that the waiter enqueued on each busy
-/// retired stream: no driver query in a loop), a destroy, a failed creation. A notification sets
-/// a flag under the queue's lock, and a waiter parks only after checking it under that lock, so
-/// none is lost between a failed attempt and parking. A waiter leaving the queue (served,
-/// failed, or dropped: [`Ticket`]'s destructor) while first passes the turn to the next one, so
-/// that a notification it consumed is never lost for the others.
+/// Only the first waiter of the queue makes attempts; it is notified (a count raised and its
+/// thread unparked or its task woken) by everything that can make an attempt succeed: a release,
+/// a retired stream's work completing (a host function that the waiter enqueued on each busy
+/// retired stream: no driver query in a loop), a destroy, a failed creation. A notification is
+/// counted under the queue's lock, and a waiter parks only after checking the count under that
+/// lock, so none is lost between a failed attempt and parking. A waiter leaving the queue while
+/// first passes the notifications it did not use to the next one (served: all but one; failed or
+/// dropped, [`Ticket`]'s destructor: all), so none is lost for the others, and a waiter is woken
+/// only when something came back while it was first.
 pub(crate) struct Gate {
     /// The cap (`usize::MAX`: none).
     cap: usize,
@@ -468,11 +503,8 @@ impl Gate {
         let wake = {
             let mut q = self.queue();
             q.list.front_mut().map(|w| {
-                w.notified = true;
-                match &w.wake {
-                    Wake::Thread(t) => Wake::Thread(t.clone()),
-                    Wake::Task(k) => Wake::Task(k.clone()),
-                }
+                w.notified = w.notified.saturating_add(1);
+                w.waker()
             })
         };
         if let Some(w) = wake {
@@ -480,14 +512,17 @@ impl Gate {
         }
     }
 
-    /// Joins the queue (notified, so that it attempts once it is first).
+    /// Joins the queue. The first waiter attempts at once (what came back before it joined
+    /// notified nobody); a later one attempts when the waiters before it pass notifications on.
     fn join(self: &Arc<Self>, wake: Wake) -> Ticket {
         let mut q = self.queue();
         q.next_id += 1;
         let id = q.next_id;
+        let first = q.list.is_empty();
         q.list.push_back(Waiter {
             id,
-            notified: true,
+            notified: u32::from(first),
+            consumed: 0,
             wake,
         });
         self.waiting.fetch_add(1, Ordering::SeqCst);
@@ -495,6 +530,7 @@ impl Gate {
         Ticket {
             gate: self.clone(),
             id,
+            served: false,
         }
     }
 
@@ -506,8 +542,8 @@ impl Gate {
             return true;
         };
         let w = &mut q.list[pos];
-        if pos == 0 && w.notified {
-            w.notified = false;
+        if pos == 0 && w.notified > 0 {
+            w.consumed = std::mem::take(&mut w.notified);
             return true;
         }
         if !same(&w.wake) {
@@ -516,25 +552,25 @@ impl Gate {
         false
     }
 
-    fn leave(&self, id: u64) {
+    /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
+    fn leave(&self, id: u64, served: bool) {
         let next = {
             let mut q = self.queue();
             let Some(pos) = q.list.iter().position(|w| w.id == id) else {
                 return;
             };
-            q.list.remove(pos);
+            let Some(w) = q.list.remove(pos) else {
+                return;
+            };
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            if pos != 0 {
+            // The first waiter leaves: the next one inherits what it did not use.
+            let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
+            if pos != 0 || pass == 0 {
                 return;
             }
-            // The first waiter leaves: the next one takes its turn (it may have consumed a
-            // notification meant for whoever is first).
-            q.list.front_mut().map(|w| {
-                w.notified = true;
-                match &w.wake {
-                    Wake::Thread(t) => Wake::Thread(t.clone()),
-                    Wake::Task(k) => Wake::Task(k.clone()),
-                }
+            q.list.front_mut().map(|n| {
+                n.notified = n.notified.saturating_add(pass);
+                n.waker()
             })
         };
         if let Some(w) = next {
@@ -548,11 +584,19 @@ impl Gate {
 pub(crate) struct Ticket {
     gate: Arc<Gate>,
     id: u64,
+    served: bool,
+}
+
+impl Ticket {
+    /// Leaves the queue with a stream.
+    fn served(mut self) {
+        self.served = true;
+    }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.gate.leave(self.id);
+        self.gate.leave(self.id, self.served);
     }
 }
 
@@ -631,6 +675,7 @@ impl Pool {
                 continue;
             }
             if let Some(found) = self.attempt(driver, bind, false)? {
+                ticket.served();
                 return Ok(found);
             }
             self.arm(driver)?;
@@ -679,7 +724,9 @@ impl Pool {
             match r {
                 Ok(None) => continue,
                 Ok(Some(found)) => {
-                    *ticket = None;
+                    if let Some(t) = ticket.take() {
+                        t.served();
+                    }
                     return Poll::Ready(Ok(found));
                 }
                 Err(e) => {
@@ -750,19 +797,25 @@ impl Pool {
             let list = self.shard(i);
             for slot in list.iter() {
                 let st = slot.lock();
-                if st.capturing || st.destroyed || slot.armed.swap(true, Ordering::AcqRel) {
+                if st.capturing
+                    || st.destroyed
+                    || slot
+                        .armed
+                        .compare_exchange(UNARMED, ARMED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_err()
+                {
                     continue;
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
                 let f = crate::context::host_fn(move || {
-                    armed.armed.store(false, Ordering::Release);
+                    armed.armed.store(RAN, Ordering::Release);
                     gate.notify();
                 });
                 // SAFETY: the stream is live (not destroyed, under its lock), held by nobody
                 // (retired) and not captured by a guard of the crate; the function calls no
                 // driver function.
                 if let Err(e) = unsafe { driver.launch_host_func(slot.raw, f) } {
-                    slot.armed.store(false, Ordering::Release);
+                    slot.armed.store(UNARMED, Ordering::Release);
                     return Err(e);
                 }
             }
@@ -825,9 +878,10 @@ impl Pool {
         for i in 0..list.len() {
             let slot = list[i].clone();
             let mut st = slot.lock();
-            if !is_idle(driver, &slot, &st) {
+            if !is_idle(driver, &slot, &st) && !finish_wake_up(driver, &slot, &st) {
                 continue;
             }
+            slot.armed.store(UNARMED, Ordering::Release);
             let gen = st.hand_over();
             drop(st);
             list.remove(i);

@@ -83,7 +83,10 @@ fn blocked_creates(d: &Arc<dyn Driver>, trigger: &Trigger) -> (usize, usize) {
 fn create_blocks_behind_wait_value(d: &Arc<dyn Driver>, trigger: &Trigger) {
     let (fresh, reused) = blocked_creates(d, trigger);
     assert!(fresh > 0, "no create waited for the GPU-side wait");
-    assert_eq!(reused, 0, "a create blocked although the driver had the resources");
+    assert_eq!(
+        reused, 0,
+        "a create blocked although the driver had the resources"
+    );
 }
 
 mod sim {

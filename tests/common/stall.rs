@@ -44,7 +44,11 @@ impl HostWord {
     /// (or more) before the stream is synchronized or destroyed, and before `self` is dropped.
     pub unsafe fn hold(&self, s: Stream, value: u32) {
         // SAFETY: the caller's contract; the word lives until `self` is dropped.
-        unsafe { self.d.stream_wait_value32(s, self.dev, value, WaitValue::Geq) }.unwrap();
+        unsafe {
+            self.d
+                .stream_wait_value32(s, self.dev, value, WaitValue::Geq)
+        }
+        .unwrap();
     }
 
     /// Releases the waits up to `value`.

@@ -377,9 +377,9 @@ impl SimDriver {
         c.live_streams >= at
             && c.live_streams >= c.peak_streams
             && st.busy.iter().filter_map(|id| st.streams.get(id)).any(|s| {
-                s.queue
-                    .front()
-                    .is_some_and(|h| matches!(h.kind, OpKind::WaitValue { .. }) && h.start.is_none())
+                s.queue.front().is_some_and(|h| {
+                    matches!(h.kind, OpKind::WaitValue { .. }) && h.start.is_none()
+                })
             })
     }
 }
