@@ -20,7 +20,6 @@ fn capped(cap: usize) -> (Arc<SimDriver>, Context) {
     let d: Arc<dyn Driver> = sim.clone();
     let opts = ContextOptions {
         max_live_streams_per_key: Some(cap),
-        ..ContextOptions::default()
     };
     (sim, Context::primary_with(d, 0, opts).unwrap())
 }
