@@ -8,7 +8,7 @@ use crate::driver::{
     Stream,
 };
 use crate::error::{Error, ErrorCode, Result};
-use crate::pool::{destroy_idle, Pool, PoolStats, Slot};
+use crate::pool::{destroy_idle, Mode, Pool, PoolStats, Slot};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
@@ -124,27 +124,107 @@ impl Default for MemPoolChoice {
     }
 }
 
-/// Options of a context's state ([`Context::primary_with`], [`Context::adopt_with`]).
+/// Options of a context's state ([`Context::primary_with`], [`Context::adopt_with`]): where
+/// buffers allocate from, and an optional cap on live streams.
+///
+/// ## Memory
+///
+/// [`MemPoolChoice::Own`] (the default) or [`MemPoolChoice::DeviceDefault`]; see
+/// [`ContextOptions::mem_pool`].
+///
+/// ## The cap on live streams
+///
+/// With exclusive streams every concurrent owner holds a stream of its own: 10,000 requests in
+/// flight are 10,000 live streams (about 560 KiB of device memory each, and `cuCtxSynchronize`
+/// grows with their number: 0.1 ms at 10 live streams, 319 ms at 12,000 on the H200).
+/// `max_live_streams_per_key` bounds the streams alive per (priority, flags) key, held and
+/// retired together. An acquisition that would have to create a stream beyond the cap waits
+/// instead, first come first served, until a stream comes back: [`crate::Owner::stream`] parks
+/// the thread, [`crate::Owner::ready`] is a future. A released stream whose work is still
+/// running is not handed out (as always): the first waiter enqueues a host function on it that
+/// wakes it when the work completes, so nobody polls the driver.
+///
+/// **Only an owner's first stream waits.** An owner that already holds a stream (of another
+/// priority) takes further streams at once, beyond the cap if none is idle (counted in
+/// [`crate::PoolStats::over_cap`]). Waiting while holding could close a cycle: with a cap of 1,
+/// owner A holds the only priority-0 stream and waits for priority -5, owner B holds the only
+/// priority -5 stream and waits for priority 0. With the rule, a waiting owner holds no stream,
+/// so no owner waits for a waiting owner: the wait-for graph has no edge out of a stream holder
+/// into the crate, hence no cycle. An owner holds at most one stream per key, so the excess is
+/// at most one stream per key for each owner that holds several priorities at once.
+///
+/// What the crate cannot see: a thread that holds `cap` streams of a key through other owners
+/// (or `OwnedStream`-like structures of its own that keep owners alive) and then asks for one
+/// more of that key on the same thread waits for itself. Hold one owner per unit of work, or use
+/// [`crate::Owner::ready`] in async code, where the holders run on.
+///
+/// ## The default
+///
+/// [`ContextOptions::default()`] (what [`Context::primary`] uses) has no cap: a default cap
+/// would turn code that holds more than the cap's owners of one key at once on one thread (the
+/// benchmarks hold 10,000) from working into waiting forever, which a library must not do
+/// silently. A server opts in with [`ContextOptions::server`]: a cap of 64 per key, with which
+/// 10,000 tasks in flight take at most 64 streams (35 MiB) per key and queue fairly for them.
+/// 64 because more streams add no concurrency on current GPUs (an H200 runs at most 128 grids at
+/// once and spreads streams over 32 hardware queues at most), while each costs device memory and
+/// synchronization time; pair it with [`Context::reserve`] so that acquisitions never create
+/// streams in steady state.
 ///
 /// ```
-/// use cuda_stream_pool::{driver, Context, ContextOptions, MemPoolChoice};
+/// use cuda_stream_pool::{driver, Context, ContextOptions};
 /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-/// let opts = ContextOptions::default().mem_pool(MemPoolChoice::DeviceDefault);
-/// let ctx = Context::primary_with(drv.clone(), 0, &opts).unwrap();
-/// assert_eq!(ctx.mem_pool(), drv.device_default_mem_pool(ctx.device()).unwrap());
+/// let opts = ContextOptions::default().max_live_streams_per_key(Some(2));
+/// let ctx = Context::primary_with(drv, 0, opts).unwrap();
+/// let (a, b) = (ctx.owner(), ctx.owner());
+/// a.stream().unwrap();
+/// b.stream().unwrap();                 // two live streams: the cap
+/// let c = std::thread::spawn({
+///     let ctx = ctx.clone();
+///     move || ctx.owner().stream().map(|s| s.raw())   // waits until `a` is dropped
+/// });
+/// drop(a);
+/// c.join().unwrap().unwrap();
+/// assert!(ctx.stats().peak_live <= 2);
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ContextOptions {
     /// Where buffers allocate from (default: the crate's own pool).
     pub mem_pool: MemPoolChoice,
+    /// The most streams alive at once per (priority, flags) key; `None`: no cap (the default).
+    /// `Some(0)` is refused.
+    pub max_live_streams_per_key: Option<usize>,
 }
 
 impl ContextOptions {
+    /// No cap: [`Context::primary`]'s behaviour.
+    pub fn unbounded() -> ContextOptions {
+        ContextOptions::default()
+    }
+
+    /// What a server wants: at most 64 live streams per key (see the type's docs for why).
+    pub fn server() -> ContextOptions {
+        ContextOptions::default().max_live_streams_per_key(Some(64))
+    }
+
     /// Sets where buffers allocate from.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context, ContextOptions, MemPoolChoice};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let opts = ContextOptions::default().mem_pool(MemPoolChoice::DeviceDefault);
+    /// let ctx = Context::primary_with(drv.clone(), 0, opts).unwrap();
+    /// assert_eq!(ctx.mem_pool(), drv.device_default_mem_pool(ctx.device()).unwrap());
+    /// ```
     #[must_use]
     pub fn mem_pool(mut self, choice: MemPoolChoice) -> Self {
         self.mem_pool = choice;
+        self
+    }
+
+    /// Sets the cap on live streams per (priority, flags) key (`None`: no cap).
+    #[must_use]
+    pub fn max_live_streams_per_key(mut self, cap: Option<usize>) -> Self {
+        self.max_live_streams_per_key = cap;
         self
     }
 }
@@ -230,6 +310,7 @@ pub(crate) struct CtxInner {
     pub(crate) device: Device,
     primary: bool,
     pub(crate) range: PriorityRange,
+    options: ContextOptions,
     /// One slot per (priority, flags) key with flags 0 or 1, indexed without a lock: new owners
     /// look their pool up on every first use.
     pools: Box<[OnceLock<Arc<Pool>>]>,
@@ -302,18 +383,18 @@ impl Context {
     /// [`Error::InvalidArgument`] when the driver reports an unusable priority range (reversed,
     /// or wider than 1024).
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
-        Self::primary_with(driver, ordinal, &ContextOptions::default())
+        Self::primary_with(driver, ordinal, ContextOptions::default())
     }
 
-    /// [`Context::primary`] with options.
+    /// [`Context::primary`] with options (see [`ContextOptions`]).
     ///
     /// # Errors
-    /// As [`Context::primary`]; the driver's error when the crate's memory pool cannot be
-    /// created ([`MemPoolChoice::Own`]).
+    /// As [`Context::primary`]; [`Error::InvalidArgument`] for a cap of 0; the driver's error
+    /// when the crate's memory pool cannot be created ([`MemPoolChoice::Own`]).
     pub fn primary_with(
         driver: Arc<dyn Driver>,
         ordinal: i32,
-        options: &ContextOptions,
+        options: ContextOptions,
     ) -> Result<Context> {
         driver.init()?;
         let device = driver.device_get(ordinal)?;
@@ -360,7 +441,7 @@ impl Context {
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Context> {
         // SAFETY: the caller's contract.
-        unsafe { Self::adopt_with(driver, raw, keep_alive, &ContextOptions::default()) }
+        unsafe { Self::adopt_with(driver, raw, keep_alive, ContextOptions::default()) }
     }
 
     /// [`Context::adopt`] with options.
@@ -374,7 +455,7 @@ impl Context {
         driver: Arc<dyn Driver>,
         raw: driver::Context,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
-        options: &ContextOptions,
+        options: ContextOptions,
     ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
@@ -399,8 +480,13 @@ impl Context {
         device: Device,
         primary: bool,
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
-        options: &ContextOptions,
+        options: ContextOptions,
     ) -> Result<Context> {
+        if options.max_live_streams_per_key == Some(0) {
+            return Err(Error::invalid(
+                "a cap of 0 live streams per key would make every acquisition wait forever",
+            ));
+        }
         // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
         unsafe { driver.ctx_set_current(raw) }?;
         let (least, greatest) = driver.ctx_stream_priority_range()?;
@@ -448,6 +534,7 @@ impl Context {
                 device,
                 primary,
                 range: PriorityRange { least, greatest },
+                options,
                 pools: (0..2 * (least - greatest + 1).max(1))
                     .map(|_| OnceLock::new())
                     .collect(),
@@ -517,6 +604,60 @@ impl Context {
     /// ```
     pub fn priority_range(&self) -> PriorityRange {
         self.inner.range
+    }
+
+    /// The options the context was made with.
+    pub fn options(&self) -> ContextOptions {
+        self.inner.options
+    }
+
+    /// Creates streams of `priority` (non-blocking) until `n` of them are alive, and keeps them
+    /// in the pool: owners then take them instead of creating streams, so that a server's
+    /// acquisitions never call `cuStreamCreate` in steady state. Returns how many it created.
+    ///
+    /// Reserved streams are kept: the pool of the key keeps up to `n` idle streams from now on
+    /// instead of [`crate::MAX_IDLE`] (the larger of the two), and [`Context::trim`] leaves `n`.
+    /// With a cap, `n` may not exceed it; `reserve(p, cap)` with the cap makes every acquisition
+    /// either take a reserved stream or wait for one.
+    ///
+    /// Why: on the H200, creating a stream can block in `cuStreamCreate` behind other streams'
+    /// GPU work. With one stream held by a GPU-side wait (`cuStreamWaitValue32` on host memory),
+    /// creating the ~31st live stream blocked until that wait was released, while streams the
+    /// driver had created before (then destroyed) were reused at once. An acquisition that has
+    /// to create can thus wait behind someone else's blocked stream; one that takes a reserved
+    /// stream does not.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, Priority};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// assert_eq!(ctx.reserve(Priority::Normal, 40).unwrap(), 40);
+    /// let owners: Vec<_> = (0..40).map(|_| ctx.owner()).collect();
+    /// for o in &owners {
+    ///     o.stream().unwrap();                   // all taken from the reserve
+    /// }
+    /// let st = ctx.stats();
+    /// assert_eq!((st.created, st.reserved, st.misses), (40, 40, 0));
+    /// drop(owners);
+    /// ctx.trim().unwrap();
+    /// assert_eq!(ctx.stats().idle, 40);         // the reserve stays (beyond MAX_IDLE)
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a priority outside the range or `n` above the cap; the
+    /// driver's error (the streams created before it stay reserved).
+    pub fn reserve(&self, priority: Priority, n: usize) -> Result<usize> {
+        self.reserve_key(priority, stream_flags::NON_BLOCKING, n)
+    }
+
+    /// [`Context::reserve`] for a (priority, flags) key.
+    ///
+    /// # Errors
+    /// As [`Context::reserve`].
+    pub fn reserve_key(&self, priority: Priority, flags: u32, n: usize) -> Result<usize> {
+        let p = self.inner.range.resolve(priority)?;
+        let pool = self.inner.pool(p, flags);
+        pool.reserve(&*self.inner.driver, &|| self.inner.bind(), n)
     }
 
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
@@ -711,8 +852,9 @@ impl Context {
             .unwrap_or_default())
     }
 
-    /// Destroys every retired stream whose work has completed, and retries the frees that are
-    /// still pending; returns how many streams were destroyed.
+    /// Destroys every retired stream whose work has completed (but the reserve of each key,
+    /// [`Context::reserve`]), and retries the frees that are still pending; returns how many
+    /// streams were destroyed.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -736,7 +878,7 @@ impl Context {
         let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
         let mut n = 0;
         for p in self.inner.all_pools() {
-            n += p.drain(&*self.inner.driver, false)?;
+            n += p.drain(&*self.inner.driver, false, p.reserved_floor())?;
         }
         Ok(n)
     }
@@ -805,7 +947,13 @@ impl CtxInner {
     pub(crate) fn pool(&self, priority: i32, flags: u32) -> Arc<Pool> {
         if let Some(i) = self.slot_index(priority, flags) {
             return self.pools[i]
-                .get_or_init(|| Arc::new(Pool::new(priority, flags)))
+                .get_or_init(|| {
+                    Arc::new(Pool::new(
+                        priority,
+                        flags,
+                        self.options.max_live_streams_per_key,
+                    ))
+                })
                 .clone();
         }
         if let Some(p) = self.find_pool(priority, flags) {
@@ -818,7 +966,11 @@ impl CtxInner {
         {
             return p.clone();
         }
-        let p = Arc::new(Pool::new(priority, flags));
+        let p = Arc::new(Pool::new(
+            priority,
+            flags,
+            self.options.max_live_streams_per_key,
+        ));
         pools.push(p.clone());
         p
     }
@@ -835,9 +987,15 @@ impl CtxInner {
         v
     }
 
-    /// Takes a stream from the pool of (priority, flags).
-    pub(crate) fn acquire(&self, pool: &Pool) -> Result<(Arc<Slot>, u64)> {
-        pool.acquire(&*self.driver, || self.bind())
+    /// Takes a stream from the pool of (priority, flags); with [`Mode::Wait`] at the cap, waits
+    /// for one (never on a host-function thread: there it is an error instead).
+    pub(crate) fn acquire(&self, pool: &Pool, mode: Mode) -> Result<(Arc<Slot>, u64)> {
+        let mode = if mode == Mode::Wait && on_host_fn_thread() {
+            Mode::Fail
+        } else {
+            mode
+        };
+        pool.acquire(&*self.driver, &|| self.bind(), mode)
     }
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
@@ -1132,6 +1290,7 @@ impl Drop for CtxInner {
                 device: self.device,
                 primary: self.primary,
                 range: self.range,
+                options: self.options,
                 pools: std::mem::take(&mut self.pools),
                 other_pools: RwLock::new(std::mem::take(
                     self.other_pools
@@ -1173,7 +1332,7 @@ impl Drop for CtxInner {
         };
         self.flush(true);
         for p in self.all_pools() {
-            let _ = p.drain(&*self.driver, true);
+            let _ = p.drain(&*self.driver, true, 0);
         }
         self.flush(true);
         if let Some(h) = self.hub.get() {

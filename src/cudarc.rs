@@ -61,14 +61,14 @@ impl Context {
     /// The loader's error when libcuda cannot be used; the driver's (or cudarc's, as
     /// [`Error::InvalidArgument`]) when the context cannot be adopted.
     pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
-        Self::from_cudarc_with(cu, &ContextOptions::default())
+        Self::from_cudarc_with(cu, ContextOptions::default())
     }
 
     /// [`Context::from_cudarc`] with options.
     ///
     /// # Errors
     /// As [`Context::from_cudarc`] and [`Context::primary_with`].
-    pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: &ContextOptions) -> Result<Context> {
+    pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: ContextOptions) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
         let stream = cu
             .new_stream()

@@ -36,6 +36,15 @@
 //! streams cannot go back to the pool) while a reference is in use, and a reference never leaves
 //! its thread. Work that must outlive any owner belongs on an [`OwnedStream`].
 //!
+//! ## Back-pressure and reserve
+//!
+//! Exclusive streams mean one live stream per concurrent owner. [`ContextOptions`] can cap the
+//! live streams per (priority, flags) key: an owner's first stream then waits, first come first
+//! served, until another owner gives one back ([`Owner::stream`] parks the thread,
+//! [`Owner::ready`] is a future); an owner that already holds a stream never waits, so waits
+//! cannot form a cycle. [`Context::reserve`] creates streams up front so that acquisitions never
+//! create in steady state.
+//!
 //! ## Priorities
 //!
 //! CUDA fixes a stream's priority at creation; work is scheduled per owner. [`Owner::set_priority`]
@@ -147,6 +156,6 @@ pub use context::{Context, ContextOptions, MemPoolChoice, Priority, PriorityRang
 pub use driver::CaptureModeGuard;
 pub use error::{Error, ErrorCode, LoadError, MissingSymbol, Result};
 pub use memory::{BufferUse, DeviceBuffer, DeviceCopy};
-pub use owner::{end_thread_owner, Attached, Owner};
+pub use owner::{end_thread_owner, Attached, Owner, OwnerReady};
 pub use pool::{PoolStats, MAX_IDLE};
 pub use stream::{OwnedStream, StreamRef};

@@ -5,12 +5,15 @@
 use crate::context::{Context, Priority};
 use crate::driver::stream_flags;
 use crate::error::{Error, Result};
-use crate::pool::{Pool, Slot};
+use crate::pool::{Mode, Pool, Slot, Ticket};
 use crate::stream::StreamRef;
 use smallvec::SmallVec;
 use std::cell::RefCell;
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::Poll;
 
 struct Held {
     pool: Arc<Pool>,
@@ -154,8 +157,14 @@ impl Owner {
     /// assert_eq!((ctx.stats().created, ctx.stats().hits), (1, 1));
     /// ```
     ///
+    /// With a cap on live streams ([`crate::ContextOptions`]), the owner's first stream may have
+    /// to wait for another owner to give one back: the thread parks (first come, first served).
+    /// In async code use [`Owner::ready`] first, which waits without blocking the thread. An
+    /// owner that already holds a stream never waits.
+    ///
     /// # Errors
-    /// The driver's error when a stream has to be taken from the pool or created and cannot be.
+    /// The driver's error when a stream has to be created and cannot be; at the cap on a
+    /// host-function thread (which must not wait), [`Error::InvalidArgument`].
     pub fn stream(&self) -> Result<StreamRef<'_>> {
         let mut inner = self.inner.borrow_mut();
         let p = inner.current;
@@ -196,9 +205,51 @@ impl Owner {
         }
         let ci = &self.ctx.inner;
         let pool = ci.pool(p, self.flags);
-        let (slot, gen) = ci.acquire(&pool)?;
+        // Only the first stream waits at the cap: an owner that holds one never waits, so no
+        // waiting owner holds a stream and waits cannot form a cycle (see `ContextOptions`).
+        let mode = if inner.held.is_empty() {
+            Mode::Wait
+        } else {
+            Mode::Bypass
+        };
+        let (slot, gen) = ci.acquire(&pool, mode)?;
         inner.held.push(Held { pool, slot, gen });
         Ok(&inner.held[inner.held.len() - 1])
+    }
+
+    /// A future that resolves to this owner once it holds its stream of the selected priority:
+    /// the async form of the wait in [`Owner::stream`], for a cap on live streams
+    /// ([`crate::ContextOptions`]). Waiters are served first come, first served; the thread is
+    /// never blocked (a task is woken when a stream comes back, or when a retired stream's work
+    /// completes). Dropping the future before it resolves drops the owner and leaves the queue
+    /// (the next waiter gets the turn). The future is `Send`.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, ContextOptions};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let opts = ContextOptions { max_live_streams_per_key: Some(1), ..Default::default() };
+    /// let ctx = Context::primary_with(drv, 0, opts).unwrap();
+    /// let first = ctx.owner();
+    /// first.stream().unwrap();                             // the only stream
+    /// use std::future::Future;
+    /// let mut next = Box::pin(ctx.owner().ready());
+    /// struct Noop;
+    /// impl std::task::Wake for Noop { fn wake(self: std::sync::Arc<Self>) {} }
+    /// let waker = std::task::Waker::from(std::sync::Arc::new(Noop));
+    /// let mut cx = std::task::Context::from_waker(&waker);
+    /// assert!(next.as_mut().poll(&mut cx).is_pending());   // waits for `first`
+    /// drop(first);
+    /// let owner = match next.as_mut().poll(&mut cx) {
+    ///     std::task::Poll::Ready(o) => o.unwrap(),
+    ///     _ => unreachable!(),
+    /// };
+    /// owner.stream().unwrap();                             // no wait: it holds it
+    /// ```
+    pub fn ready(self) -> OwnerReady {
+        OwnerReady {
+            owner: Some(self),
+            ticket: None,
+        }
     }
 
     /// Selects the stream of priority `p` for subsequent work and orders it after the previously
@@ -398,6 +449,60 @@ impl Owner {
             }
         }
         fresh
+    }
+}
+
+/// The future of [`Owner::ready`]: resolves to the owner holding its stream.
+#[must_use = "futures do nothing unless polled"]
+pub struct OwnerReady {
+    owner: Option<Owner>,
+    /// Its place in the queue of the pool's gate while it waits.
+    ticket: Option<Ticket>,
+}
+
+impl std::fmt::Debug for OwnerReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnerReady")
+            .field("owner", &self.owner)
+            .field("waiting", &self.ticket.is_some())
+            .finish()
+    }
+}
+
+impl Future for OwnerReady {
+    type Output = Result<Owner>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Result<Owner>> {
+        let this = &mut *self;
+        let Some(owner) = this.owner.as_ref() else {
+            return Poll::Ready(Err(Error::invalid("OwnerReady polled after it resolved")));
+        };
+        let waits = {
+            let inner = owner.inner.borrow();
+            inner.held.is_empty() && !crate::context::on_host_fn_thread()
+        };
+        if !waits {
+            // Holds a stream already (never waits), or runs in a host function (must not
+            // wait): as `stream()`.
+            this.ticket = None;
+            let r = owner.stream().map(|_| ());
+            let owner = this.owner.take();
+            return Poll::Ready(r.and_then(|_| owner.ok_or_else(|| Error::invalid("no owner"))));
+        }
+        let ci = &owner.ctx.inner;
+        let (p, flags) = (owner.inner.borrow().current, owner.flags);
+        let pool = ci.pool(p, flags);
+        match pool.poll_acquire(&*ci.driver, &|| ci.bind(), &mut this.ticket, cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(e)) => {
+                this.owner = None;
+                Poll::Ready(Err(e))
+            }
+            Poll::Ready(Ok((slot, gen))) => {
+                owner.inner.borrow_mut().held.push(Held { pool, slot, gen });
+                Poll::Ready(this.owner.take().ok_or_else(|| Error::invalid("no owner")))
+            }
+        }
     }
 }
 

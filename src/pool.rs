@@ -18,8 +18,10 @@ use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context as TaskContext, Poll, Waker};
 
 /// Idle streams kept per (priority, flags) key. A release that leaves more retired streams
 /// than this destroys idle ones until at most this many remain; a stream still busy when it is
@@ -50,7 +52,18 @@ pub(crate) struct Slot {
     loan: Mutex<Option<Loan>>,
     /// Whether `loan` is set, readable without its lock.
     lent: AtomicBool,
+    /// The wake-up host function of the pool's gate on the (retired) stream: [`UNARMED`],
+    /// [`ARMED`] (enqueued: one per stream, however many acquisitions wait) or [`RAN`].
+    armed: AtomicU8,
 }
+
+/// No wake-up host function is pending on the stream.
+const UNARMED: u8 = 0;
+/// A wake-up host function is enqueued on the stream.
+const ARMED: u8 = 1;
+/// The wake-up host function has run: the work enqueued before it has completed, and the
+/// stream is idle as soon as the function returns.
+const RAN: u8 = 2;
 
 fn word(st: &SlotState) -> u64 {
     (st.generation << 3)
@@ -174,6 +187,7 @@ impl Slot {
             state: Mutex::new(st),
             loan: Mutex::new(None),
             lent: AtomicBool::new(false),
+            armed: AtomicU8::new(UNARMED),
         }
     }
 
@@ -271,8 +285,20 @@ pub struct PoolStats {
     pub hits: u64,
     /// Acquisitions that had to create a stream.
     pub misses: u64,
-    /// Idle streams destroyed because more than [`MAX_IDLE`] were retired.
+    /// Idle streams destroyed because more than [`MAX_IDLE`] (or the reserve, when larger) were
+    /// retired.
     pub trimmed: u64,
+    /// Streams created by [`crate::Context::reserve`] (counted in `created`, not in `misses`).
+    pub reserved: u64,
+    /// The most streams alive at once (for a sum over pools, the sum of each pool's peak: an
+    /// upper bound of the context's peak).
+    pub peak_live: u64,
+    /// Acquisitions that waited because the key was at its cap
+    /// ([`crate::ContextOptions::max_live_streams_per_key`]).
+    pub waits: u64,
+    /// Streams created beyond the cap, for owners that already held a stream of another key
+    /// (they never wait: see [`crate::ContextOptions`]).
+    pub over_cap: u64,
 }
 
 impl std::ops::Add for PoolStats {
@@ -288,6 +314,10 @@ impl std::ops::Add for PoolStats {
             hits: self.hits + o.hits,
             misses: self.misses + o.misses,
             trimmed: self.trimmed + o.trimmed,
+            reserved: self.reserved + o.reserved,
+            peak_live: self.peak_live + o.peak_live,
+            waits: self.waits + o.waits,
+            over_cap: self.over_cap + o.over_cap,
         }
     }
 }
@@ -308,6 +338,7 @@ type Shard = CachePadded<ShardData>;
 struct Counters {
     destroyed: AtomicU64,
     trimmed: AtomicU64,
+    reserved: AtomicU64,
 }
 
 /// The pool of one (priority, flags) key of one context.
@@ -317,6 +348,10 @@ pub(crate) struct Pool {
     shards: Box<[Shard]>,
     retired: CachePadded<AtomicUsize>,
     counters: CachePadded<Counters>,
+    /// The cap on live streams and its waiters.
+    gate: Arc<Gate>,
+    /// Retired streams kept beyond [`MAX_IDLE`]: the largest [`Pool::reserve`] so far.
+    keep: AtomicUsize,
 }
 
 static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
@@ -350,6 +385,19 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
     !st.capturing && !st.destroyed && unsafe { driver.stream_query(slot.raw) }.unwrap_or(false)
 }
 
+/// A retired stream that reports busy although its wake-up host function has run: the work
+/// before it has completed, and only the function's return is pending. Waits for that (the
+/// function only notifies the gate: microseconds) and returns whether the stream is idle now.
+/// Without it, a waiter woken by the function would find the stream busy and arm another one,
+/// which could race the same way, again and again.
+fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+    if st.capturing || st.destroyed || slot.armed.load(Ordering::Acquire) != RAN {
+        return false;
+    }
+    // SAFETY: the stream is live (not destroyed, under its lock we hold) and not captured.
+    unsafe { driver.stream_synchronize(slot.raw) }.is_ok() && is_idle(driver, slot, st)
+}
+
 /// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
 /// and not captured; with `wait`, after waiting for its work. Returns whether it did. The
 /// generation is bumped under the stream's lock, so a buffer last used on it then frees on the
@@ -374,8 +422,242 @@ pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Resu
     Ok(true)
 }
 
+/// How an acquisition may wait when its key is at the cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Wait (FIFO) for a stream to come back: an owner's first stream.
+    Wait,
+    /// Never wait; create beyond the cap if no retired stream is idle: an owner that already
+    /// holds a stream of another key (waiting while holding could close a cycle).
+    Bypass,
+    /// Never wait; an error when the key is at its cap (a host-function thread, which must not
+    /// block).
+    Fail,
+}
+
+/// What wakes a waiter: a parked thread or an async task.
+enum Wake {
+    Thread(std::thread::Thread),
+    Task(Waker),
+}
+
+impl Wake {
+    fn wake(self) {
+        match self {
+            Wake::Thread(t) => t.unpark(),
+            Wake::Task(w) => w.wake(),
+        }
+    }
+}
+
+struct Waiter {
+    id: u64,
+    /// Notifications not yet acted on: something came back (a release, a completed retired
+    /// stream, a destroy, a failed creation) while the waiter was first; 1 when it joins an
+    /// empty queue.
+    notified: u32,
+    /// Notifications its current attempt acts on: when it is served, all but one are passed to
+    /// the next waiter (each may stand for a stream that came back).
+    consumed: u32,
+    wake: Wake,
+}
+
+impl Waiter {
+    fn waker(&self) -> Wake {
+        match &self.wake {
+            Wake::Thread(t) => Wake::Thread(t.clone()),
+            Wake::Task(k) => Wake::Task(k.clone()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    next_id: u64,
+    list: VecDeque<Waiter>,
+}
+
+/// The cap on live streams of one key and the FIFO queue of acquisitions waiting under it.
+///
+/// Only the first waiter of the queue makes attempts; it is notified (a count raised and its
+/// thread unparked or its task woken) by everything that can make an attempt succeed: a release,
+/// a retired stream's work completing (a host function that the waiter enqueued on each busy
+/// retired stream: no driver query in a loop), a destroy, a failed creation. A notification is
+/// counted under the queue's lock, and a waiter parks only after checking the count under that
+/// lock, so none is lost between a failed attempt and parking. A waiter leaving the queue while
+/// first passes the notifications it did not use to the next one (served: all but one; failed or
+/// dropped, [`Ticket`]'s destructor: all), so none is lost for the others, and a waiter is woken
+/// only when something came back while it was first.
+pub(crate) struct Gate {
+    /// The cap (`usize::MAX`: none).
+    cap: usize,
+    /// Streams of the key alive, or being created: created (or reserved for a creation in
+    /// progress) minus destroyed.
+    live: AtomicUsize,
+    peak: AtomicUsize,
+    /// Waiters in the queue, readable without its lock.
+    waiting: AtomicUsize,
+    waits: AtomicU64,
+    over_cap: AtomicU64,
+    queue: Mutex<Queue>,
+}
+
+impl Gate {
+    fn new(cap: Option<usize>) -> Gate {
+        Gate {
+            cap: cap.unwrap_or(usize::MAX),
+            live: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            waits: AtomicU64::new(0),
+            over_cap: AtomicU64::new(0),
+            queue: Mutex::new(Queue::default()),
+        }
+    }
+
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a stream about to be created; below the cap only, unless `force`.
+    fn reserve(&self, force: bool) -> bool {
+        let cap = self.cap;
+        match self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |l| {
+                (force || l < cap).then_some(l + 1)
+            }) {
+            Ok(prev) => {
+                self.peak.fetch_max(prev + 1, Ordering::AcqRel);
+                if prev >= cap {
+                    self.over_cap.fetch_add(1, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// A stream of the key is gone (destroyed, or its creation failed): a waiter may create.
+    fn gone(&self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        self.notify();
+    }
+
+    /// Notifies the first waiter, if any. Takes no lock but the queue's and calls no driver
+    /// function: it runs in host functions.
+    pub(crate) fn notify(&self) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let wake = {
+            let mut q = self.queue();
+            q.list.front_mut().map(|w| {
+                w.notified = w.notified.saturating_add(1);
+                w.waker()
+            })
+        };
+        if let Some(w) = wake {
+            w.wake();
+        }
+    }
+
+    /// Joins the queue. The first waiter attempts at once (what came back before it joined
+    /// notified nobody); a later one attempts when the waiters before it pass notifications on.
+    fn join(self: &Arc<Self>, wake: Wake) -> Ticket {
+        let mut q = self.queue();
+        q.next_id += 1;
+        let id = q.next_id;
+        let first = q.list.is_empty();
+        q.list.push_back(Waiter {
+            id,
+            notified: u32::from(first),
+            consumed: 0,
+            wake,
+        });
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        Ticket {
+            gate: self.clone(),
+            id,
+            served: false,
+        }
+    }
+
+    /// Whether waiter `id` should attempt now (it is first and was notified; the flag is
+    /// cleared). Otherwise records how to wake it.
+    fn turn(&self, id: u64, wake: &dyn Fn() -> Wake, same: &dyn Fn(&Wake) -> bool) -> bool {
+        let mut q = self.queue();
+        let Some(pos) = q.list.iter().position(|w| w.id == id) else {
+            return true;
+        };
+        let w = &mut q.list[pos];
+        if pos == 0 && w.notified > 0 {
+            w.consumed = std::mem::take(&mut w.notified);
+            return true;
+        }
+        if !same(&w.wake) {
+            w.wake = wake();
+        }
+        false
+    }
+
+    /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
+    fn leave(&self, id: u64, served: bool) {
+        let next = {
+            let mut q = self.queue();
+            let Some(pos) = q.list.iter().position(|w| w.id == id) else {
+                return;
+            };
+            let Some(w) = q.list.remove(pos) else {
+                return;
+            };
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            // The first waiter leaves: the next one inherits what it did not use.
+            let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
+            if pos != 0 || pass == 0 {
+                return;
+            }
+            q.list.front_mut().map(|n| {
+                n.notified = n.notified.saturating_add(pass);
+                n.waker()
+            })
+        };
+        if let Some(w) = next {
+            w.wake();
+        }
+    }
+}
+
+/// A place in a gate's queue; leaving it (dropped: served, failed or cancelled) passes the turn
+/// on.
+pub(crate) struct Ticket {
+    gate: Arc<Gate>,
+    id: u64,
+    served: bool,
+}
+
+impl Ticket {
+    /// Leaves the queue with a stream.
+    fn served(mut self) {
+        self.served = true;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.gate.leave(self.id, self.served);
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket").field("id", &self.id).finish()
+    }
+}
+
 impl Pool {
-    pub(crate) fn new(priority: i32, flags: u32) -> Pool {
+    pub(crate) fn new(priority: i32, flags: u32, cap: Option<usize>) -> Pool {
         Pool {
             priority,
             flags,
@@ -384,6 +666,8 @@ impl Pool {
                 .collect(),
             retired: CachePadded::new(AtomicUsize::new(0)),
             counters: CachePadded::new(Counters::default()),
+            gate: Arc::new(Gate::new(cap)),
+            keep: AtomicUsize::new(0),
         }
     }
 
@@ -398,15 +682,119 @@ impl Pool {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Retired streams kept: [`MAX_IDLE`], or the reserve when larger.
+    fn idle_cap(&self) -> usize {
+        self.keep.load(Ordering::Acquire).max(MAX_IDLE)
+    }
+
     /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
     /// generation; otherwise creates one, after `bind` (which makes the context current).
     /// Searches the calling thread's home shard first, then the others; never waits for a busy
-    /// stream.
+    /// stream. When the key is at its cap, [`Mode::Wait`] parks the thread in the gate's FIFO
+    /// queue until a stream comes back (a release, a retired stream's work completing, a
+    /// destroy); the other modes never wait.
     pub(crate) fn acquire(
         &self,
         driver: &dyn Driver,
-        bind: impl FnOnce() -> Result<()>,
+        bind: &dyn Fn() -> Result<()>,
+        mode: Mode,
     ) -> Result<(Arc<Slot>, u64)> {
+        let g = &self.gate;
+        if mode != Mode::Wait || g.waiting.load(Ordering::SeqCst) == 0 {
+            if let Some(found) = self.attempt(driver, bind, mode == Mode::Bypass)? {
+                return Ok(found);
+            }
+            if mode == Mode::Fail {
+                return Err(crate::Error::invalid(format!(
+                    "the pool of priority {} is at its cap of {} live streams, and this thread \
+                     (a host function) must not wait",
+                    self.priority, g.cap
+                )));
+            }
+        }
+        let ticket = g.join(Wake::Thread(std::thread::current()));
+        let me = std::thread::current().id();
+        loop {
+            let turn = g.turn(
+                ticket.id,
+                &|| Wake::Thread(std::thread::current()),
+                &|w| matches!(w, Wake::Thread(t) if t.id() == me),
+            );
+            if !turn {
+                std::thread::park();
+                continue;
+            }
+            if let Some(found) = self.attempt(driver, bind, false)? {
+                ticket.served();
+                return Ok(found);
+            }
+            self.arm(driver)?;
+        }
+    }
+
+    /// [`Pool::acquire`] for an async task: `Ready` with a stream, or `Pending` with the task in
+    /// the gate's queue (`ticket`), woken when a stream may have come back. Dropping the ticket
+    /// leaves the queue and passes the turn on.
+    pub(crate) fn poll_acquire(
+        &self,
+        driver: &dyn Driver,
+        bind: &dyn Fn() -> Result<()>,
+        ticket: &mut Option<Ticket>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Result<(Arc<Slot>, u64)>> {
+        let g = &self.gate;
+        if ticket.is_none() {
+            if g.waiting.load(Ordering::SeqCst) == 0 {
+                match self.attempt(driver, bind, false) {
+                    Ok(Some(found)) => return Poll::Ready(Ok(found)),
+                    Err(e) => return Poll::Ready(Err(e)),
+                    Ok(None) => {}
+                }
+            }
+            *ticket = Some(g.join(Wake::Task(cx.waker().clone())));
+        }
+        let Some(id) = ticket.as_ref().map(|t| t.id) else {
+            return Poll::Pending;
+        };
+        loop {
+            let turn = g.turn(
+                id,
+                &|| Wake::Task(cx.waker().clone()),
+                &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
+            );
+            if !turn {
+                return Poll::Pending;
+            }
+            let r = self
+                .attempt(driver, bind, false)
+                .and_then(|found| match found {
+                    Some(found) => Ok(Some(found)),
+                    None => self.arm(driver).map(|_| None),
+                });
+            match r {
+                Ok(None) => continue,
+                Ok(Some(found)) => {
+                    if let Some(t) = ticket.take() {
+                        t.served();
+                    }
+                    return Poll::Ready(Ok(found));
+                }
+                Err(e) => {
+                    *ticket = None;
+                    return Poll::Ready(Err(e));
+                }
+            }
+        }
+    }
+
+    /// One attempt: an idle retired stream, else a new stream if the cap allows (or `force`).
+    /// `Ok(None)`: the key is at its cap and no retired stream is idle.
+    fn attempt(
+        &self,
+        driver: &dyn Driver,
+        bind: &dyn Fn() -> Result<()>,
+        force: bool,
+    ) -> Result<Option<(Arc<Slot>, u64)>> {
         let home = home_index();
         if self.retired.load(Ordering::Acquire) > 0 {
             let _relaxed = CaptureModeGuard::relaxed(driver)?;
@@ -417,18 +805,120 @@ impl Pool {
                     break;
                 }
             }
-            if self.retired.load(Ordering::Acquire) > MAX_IDLE {
+            if self.retired.load(Ordering::Acquire) > self.idle_cap() {
                 self.trim_excess(driver);
             }
             if let Some(found) = found {
                 self.home(home).hits.fetch_add(1, Ordering::Release);
-                return Ok(found);
+                return Ok(Some(found));
             }
         }
-        bind()?;
-        let raw = driver.stream_create(self.flags, self.priority)?;
+        if !self.gate.reserve(force) {
+            return Ok(None);
+        }
+        let raw = match bind().and_then(|_| driver.stream_create(self.flags, self.priority)) {
+            Ok(raw) => raw,
+            Err(e) => {
+                self.gate.gone();
+                return Err(e);
+            }
+        };
         self.home(home).misses.fetch_add(1, Ordering::Release);
-        Ok((Arc::new(Slot::new(raw, self.priority, self.flags)), 1))
+        Ok(Some((
+            Arc::new(Slot::new(raw, self.priority, self.flags)),
+            1,
+        )))
+    }
+
+    /// Before a waiter parks: enqueues, on each retired stream that is still busy, a host
+    /// function that notifies the gate when the stream's work has completed (one per stream,
+    /// however many wait; none on a stream a leaked capture guard captures, which never comes
+    /// back). The host function calls no driver function.
+    ///
+    /// # Errors
+    /// The driver's error when a host function cannot be enqueued (the waiter would otherwise
+    /// never learn that the stream completed).
+    fn arm(&self, driver: &dyn Driver) -> Result<()> {
+        if self.retired.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let _relaxed = CaptureModeGuard::relaxed(driver)?;
+        for i in 0..self.shards.len() {
+            let list = self.shard(i);
+            for slot in list.iter() {
+                let st = slot.lock();
+                if st.capturing
+                    || st.destroyed
+                    || slot
+                        .armed
+                        .compare_exchange(UNARMED, ARMED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_err()
+                {
+                    continue;
+                }
+                let (gate, armed) = (self.gate.clone(), slot.clone());
+                let f = crate::context::host_fn(move || {
+                    armed.armed.store(RAN, Ordering::Release);
+                    gate.notify();
+                });
+                // SAFETY: the stream is live (not destroyed, under its lock), held by nobody
+                // (retired) and not captured by a guard of the crate; the function calls no
+                // driver function.
+                if let Err(e) = unsafe { driver.launch_host_func(slot.raw, f) } {
+                    slot.armed.store(UNARMED, Ordering::Release);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates streams until `n` of this key are alive, keeps them retired (idle), and keeps up
+    /// to `n` retired streams from now on (instead of [`MAX_IDLE`]). Returns how many it created.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] when `n` exceeds the cap; the driver's error (the streams
+    /// created before it stay reserved).
+    pub(crate) fn reserve(
+        &self,
+        driver: &dyn Driver,
+        bind: &dyn Fn() -> Result<()>,
+        n: usize,
+    ) -> Result<usize> {
+        if n > self.gate.cap {
+            return Err(crate::Error::invalid(format!(
+                "cannot reserve {n} streams of priority {}: the cap is {} live streams per key",
+                self.priority, self.gate.cap
+            )));
+        }
+        self.keep.fetch_max(n, Ordering::AcqRel);
+        let mut made = 0;
+        while self.gate.live.load(Ordering::Acquire) < n {
+            if !self.gate.reserve(false) {
+                break;
+            }
+            let raw = match bind().and_then(|_| driver.stream_create(self.flags, self.priority)) {
+                Ok(raw) => raw,
+                Err(e) => {
+                    self.gate.gone();
+                    return Err(e);
+                }
+            };
+            self.counters.reserved.fetch_add(1, Ordering::Release);
+            let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
+            slot.lock().retire();
+            self.retired.fetch_add(1, Ordering::AcqRel);
+            // Spread over the shards, so that every thread's home shard has some.
+            self.shard(made).push(slot);
+            made += 1;
+            self.gate.notify();
+        }
+        Ok(made)
+    }
+
+    /// Retired streams kept by [`Pool::reserve`].
+    pub(crate) fn reserved_floor(&self) -> usize {
+        self.keep.load(Ordering::Acquire)
     }
 
     /// Searches one shard: takes the first retired stream that is idle, in the order they were
@@ -438,9 +928,10 @@ impl Pool {
         for i in 0..list.len() {
             let slot = list[i].clone();
             let mut st = slot.lock();
-            if !is_idle(driver, &slot, &st) {
+            if !is_idle(driver, &slot, &st) && !finish_wake_up(driver, &slot, &st) {
                 continue;
             }
+            slot.armed.store(UNARMED, Ordering::Release);
             let gen = st.hand_over();
             drop(st);
             list.remove(i);
@@ -450,16 +941,17 @@ impl Pool {
         None
     }
 
-    /// Destroys retired streams that are idle until at most [`MAX_IDLE`] remain. The caller runs
-    /// it in relaxed capture mode.
+    /// Destroys retired streams that are idle until at most [`MAX_IDLE`] (or the reserve) remain.
+    /// The caller runs it in relaxed capture mode.
     fn trim_excess(&self, driver: &dyn Driver) {
+        let keep = self.idle_cap();
         for i in 0..self.shards.len() {
-            if self.retired.load(Ordering::Acquire) <= MAX_IDLE {
+            if self.retired.load(Ordering::Acquire) <= keep {
                 return;
             }
             let mut list = self.shard(i);
             let mut j = 0;
-            while j < list.len() && self.retired.load(Ordering::Acquire) > MAX_IDLE {
+            while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
                 if self
                     .destroy_if_idle(driver, &list[j], false)
                     .unwrap_or(false)
@@ -481,11 +973,14 @@ impl Pool {
         }
         self.retired.fetch_sub(1, Ordering::AcqRel);
         self.counters.destroyed.fetch_add(1, Ordering::Release);
+        self.gate.gone();
         Ok(true)
     }
 
-    /// Takes back a stream from an owner that is gone, without waiting for its work; then, if
-    /// more than [`MAX_IDLE`] streams are retired, destroys idle ones.
+    /// Takes back a stream from an owner that is gone, without waiting for its work, and
+    /// notifies the first waiter of the gate; then, if more than [`MAX_IDLE`] (or the reserve)
+    /// streams are retired, destroys idle ones. With `trim` false (a host-function thread) it
+    /// calls no driver function.
     pub(crate) fn release(&self, driver: &dyn Driver, slot: Arc<Slot>, trim: bool) {
         slot.lock().retire();
         let home = home_index();
@@ -493,22 +988,25 @@ impl Pool {
         let retired = self.retired.fetch_add(1, Ordering::AcqRel) + 1;
         self.shard(home).push(slot);
         self.home(home).releases.fetch_add(1, Ordering::Release);
-        if trim && retired > MAX_IDLE {
+        // After the push (and its lock): a waiter that joined before it sees the stream in its
+        // next attempt, or is notified here (`waiting` is read after the push, SeqCst).
+        self.gate.notify();
+        if trim && retired > self.idle_cap() {
             if let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) {
                 self.trim_excess(driver);
             }
         }
     }
 
-    /// Destroys every retired stream that is idle; with `wait`, first waits for the others.
-    /// Returns how many were destroyed. The caller runs it in relaxed capture mode.
-    pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool) -> Result<usize> {
+    /// Destroys every retired stream that is idle, but `keep`; with `wait`, first waits for the
+    /// others. Returns how many were destroyed. The caller runs it in relaxed capture mode.
+    pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool, keep: usize) -> Result<usize> {
         let mut n = 0;
         let mut first_err = None;
         for i in 0..self.shards.len() {
             let mut list = self.shard(i);
             let mut j = 0;
-            while j < list.len() {
+            while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
                 match self.destroy_if_idle(driver, &list[j], wait) {
                     Ok(true) => {
                         list.remove(j);
@@ -540,7 +1038,8 @@ impl Pool {
     /// never underflows.
     pub(crate) fn live(&self) -> u64 {
         let destroyed = self.counters.destroyed.load(Ordering::Acquire);
-        self.sum(|s| &s.misses).saturating_sub(destroyed)
+        (self.sum(|s| &s.misses) + self.counters.reserved.load(Ordering::Acquire))
+            .saturating_sub(destroyed)
     }
 
     /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
@@ -564,16 +1063,21 @@ impl Pool {
         let releases = self.sum(|s| &s.releases);
         let destroyed = self.counters.destroyed.load(Ordering::Acquire);
         let (hits, misses) = (self.sum(|s| &s.hits), self.sum(|s| &s.misses));
+        let reserved = self.counters.reserved.load(Ordering::Acquire);
         PoolStats {
-            live: misses.saturating_sub(destroyed),
+            live: (misses + reserved).saturating_sub(destroyed),
             idle,
             retired_busy: busy,
             in_use: (hits + misses).saturating_sub(releases),
-            created: misses,
+            created: misses + reserved,
             destroyed,
             hits,
             misses,
             trimmed: self.counters.trimmed.load(Ordering::Relaxed),
+            reserved,
+            peak_live: self.gate.peak.load(Ordering::Acquire) as u64,
+            waits: self.gate.waits.load(Ordering::Relaxed),
+            over_cap: self.gate.over_cap.load(Ordering::Relaxed),
         }
     }
 }

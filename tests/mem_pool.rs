@@ -62,7 +62,7 @@ fn own_pool_leaves_the_default_pool_alone_gpu() {
 fn device_default_is_used_as_is(d: &Arc<dyn Driver>) {
     let before = default_pool_threshold(d);
     let opts = ContextOptions::default().mem_pool(MemPoolChoice::DeviceDefault);
-    let ctx = Context::primary_with(d.clone(), 0, &opts).unwrap();
+    let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
     assert_eq!(
         ctx.mem_pool(),
         d.device_default_mem_pool(ctx.device()).unwrap()
@@ -109,7 +109,7 @@ fn own_pool_threshold_is_an_option() {
     let opts = ContextOptions::default().mem_pool(MemPoolChoice::Own {
         release_threshold: 1 << 20,
     });
-    let ctx = Context::primary_with(d.clone(), 0, &opts).unwrap();
+    let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
     // SAFETY: the crate's pool lives as long as `ctx`.
     let t = unsafe { d.mem_pool_get_attribute(ctx.mem_pool(), MemPoolAttr::ReleaseThreshold) };
     assert_eq!(t.unwrap(), 1 << 20);

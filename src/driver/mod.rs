@@ -10,7 +10,7 @@ mod cuda;
 pub mod sim;
 
 pub use cuda::CudaDriver;
-pub use sim::{SimConfig, SimDriver};
+pub use sim::{SimConfig, SimDriver, H200_CREATE_STALL_AT};
 
 use crate::error::Result;
 use cuda_stream_pool_sys::ffi;

@@ -1,6 +1,8 @@
 //! Helpers shared by the test files: drivers, a raw context, and a gate that holds a stream busy.
 #![allow(dead_code)]
 
+pub mod stall;
+
 use cuda_stream_pool::driver::{self, Choice, Driver, SimDriver, Stream};
 use cuda_stream_pool::Context;
 use std::sync::mpsc;

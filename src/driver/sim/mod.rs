@@ -76,7 +76,20 @@ pub struct SimConfig {
     pub driver_version: i32,
     /// `Some`: real-time clock and API costs (the demo); `None`: manual clock, no costs (tests).
     pub latency: Option<Latency>,
+    /// `Some(n)`: `cuStreamCreate` blocks, as observed on the H200, while `n` or more streams are
+    /// alive, the new stream needs resources the driver has never had (there are no more live
+    /// streams than the most there ever were: the resources of streams created and destroyed
+    /// earlier are reused without blocking), and some stream is held by an unsatisfied
+    /// `cuStreamWaitValue32`; it returns once the wait is released. On the H200 creating the
+    /// ~31st live stream blocked behind such a wait for as long as it lasted (5 s in the probe).
+    /// A blocked create waits in real time (host writes are noticed in 1 ms steps), never moves
+    /// the manual clock, and shows in [`SimDriver::blocked_creates`]. `None` (the default): never.
+    pub create_stall_at: Option<u64>,
 }
+
+/// The live-stream count at which `cuStreamCreate` blocked behind a GPU-side wait on the H200
+/// (the 31st live stream): the value to give [`SimConfig::create_stall_at`].
+pub const H200_CREATE_STALL_AT: u64 = 30;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -87,6 +100,7 @@ impl Default for SimConfig {
             total_memory: 141 << 30,
             driver_version: 13000,
             latency: None,
+            create_stall_at: None,
         }
     }
 }
@@ -120,6 +134,8 @@ pub struct SimCounters {
     pub live_contexts: u64,
     /// Host-mapped allocations (`cuMemHostAlloc`) alive now.
     pub live_host_allocs: u64,
+    /// Stream creations that blocked behind a GPU-side wait ([`SimConfig::create_stall_at`]).
+    pub stalled_creates: u64,
 }
 
 struct State {
@@ -161,6 +177,8 @@ struct State {
     busy: std::collections::BTreeSet<u64>,
     /// Host-mapped memory (hostmem.rs).
     host_mem: HostMem,
+    /// Stream creations blocked right now ([`SimConfig::create_stall_at`]).
+    blocked_creates: u64,
 }
 
 static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
@@ -313,6 +331,7 @@ impl SimDriver {
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
                 host_mem: HostMem::default(),
+                blocked_creates: 0,
             }),
             cv: Arc::new(Condvar::new()),
             host_calls: Mutex::new(Vec::new()),
@@ -418,6 +437,28 @@ impl SimDriver {
     /// ```
     pub fn counters(&self) -> SimCounters {
         self.lock().counters.clone()
+    }
+
+    /// Stream creations blocked right now behind a GPU-side wait ([`SimConfig::create_stall_at`]).
+    pub fn blocked_creates(&self) -> u64 {
+        let mut st = self.lock();
+        self.progress(&mut st);
+        st.blocked_creates
+    }
+
+    /// Whether a create now would stall ([`SimConfig::create_stall_at`]).
+    fn create_stalls(&self, st: &State) -> bool {
+        let Some(at) = self.cfg.create_stall_at else {
+            return false;
+        };
+        let c = &st.counters;
+        c.live_streams >= at
+            && c.live_streams >= c.peak_streams
+            && st.busy.iter().filter_map(|id| st.streams.get(id)).any(|s| {
+                s.queue.front().is_some_and(|h| {
+                    matches!(h.kind, OpKind::WaitValue { .. }) && h.start.is_none()
+                })
+            })
     }
 }
 
@@ -589,6 +630,22 @@ impl Driver for SimDriver {
                 ErrorCode::ERROR_OUT_OF_MEMORY,
                 "cuStreamCreateWithPriority",
             );
+        }
+        if self.cfg.create_stall_at.is_some() {
+            self.progress(&mut st);
+            if self.create_stalls(&st) {
+                st.blocked_creates += 1;
+                st.counters.stalled_creates += 1;
+                while self.create_stalls(&st) {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    self.progress(&mut st);
+                }
+                st.blocked_creates -= 1;
+            }
         }
         let (least, greatest) = self.cfg.priority_range;
         let priority = priority.clamp(greatest, least);

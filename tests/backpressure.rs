@@ -1,0 +1,450 @@
+//! The cap on live streams per key (`ContextOptions::max_live_streams_per_key`): blocking and
+//! async acquisitions that wait, first come first served, for a stream to come back; cancellation
+//! of waiters; owners holding several priorities; waking when a busy retired stream completes.
+//! All on the simulated driver (manual clock).
+
+mod common;
+
+use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::{Context, ContextOptions, Owner, OwnerReady, Priority};
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::task::{Context as Cx, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+fn capped(cap: usize) -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(cap));
+    (sim, Context::primary_with(d, 0, opts).unwrap())
+}
+
+/// A waker that records, in a shared log, the index of the future it belongs to.
+struct Logged(usize, Arc<Mutex<Vec<usize>>>);
+impl Wake for Logged {
+    fn wake(self: Arc<Self>) {
+        self.1.lock().unwrap().push(self.0);
+    }
+}
+
+struct Waiters {
+    futs: Vec<Option<Pin<Box<OwnerReady>>>>,
+    wakers: Vec<Waker>,
+    log: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Waiters {
+    fn new(ctx: &Context, n: usize) -> Waiters {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        Waiters {
+            futs: (0..n)
+                .map(|_| Some(Box::pin(ctx.owner().ready())))
+                .collect(),
+            wakers: (0..n)
+                .map(|i| Waker::from(Arc::new(Logged(i, log.clone()))))
+                .collect(),
+            log,
+        }
+    }
+
+    /// Polls waiter `i`: `Some(owner)` when it resolved.
+    fn poll(&mut self, i: usize) -> Option<Owner> {
+        let mut cx = Cx::from_waker(&self.wakers[i]);
+        let f = self.futs[i].as_mut().expect("waiter already gone");
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(r) => {
+                self.futs[i] = None;
+                Some(r.unwrap())
+            }
+            Poll::Pending => None,
+        }
+    }
+
+    fn woken(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+
+    fn cancel(&mut self, i: usize) {
+        self.futs[i] = None;
+    }
+}
+
+fn assert_send<T: Send>(_: &T) {}
+
+/// 16 threads, cap 3: never more than 3 streams of the key alive, concurrent owners never share
+/// a stream; half of the owners drop their stream with work pending (woken by the completion,
+/// driven by a ticking thread), half synchronize first.
+#[test]
+fn cap_respected_under_threads() {
+    let (sim, ctx) = capped(3);
+    let held = Arc::new(Mutex::new(HashSet::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let ticker = {
+        let (sim, stop) = (sim.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                sim.advance(100);
+                std::thread::yield_now();
+            }
+        })
+    };
+    let workers: Vec<_> = (0..16)
+        .map(|t| {
+            let (ctx, sim, held) = (ctx.clone(), sim.clone(), held.clone());
+            std::thread::spawn(move || {
+                for i in 0..40 {
+                    let o = ctx.owner();
+                    let s = o.stream().unwrap();
+                    assert!(held.lock().unwrap().insert(s.raw()), "stream shared");
+                    sim.enqueue_work(s.raw(), 500).unwrap();
+                    if (t + i) % 2 == 0 {
+                        s.synchronize().unwrap();
+                    }
+                    assert!(held.lock().unwrap().remove(&s.raw()));
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    ticker.join().unwrap();
+    let st = ctx.stats();
+    assert!(st.peak_live <= 3, "{st:?}");
+    assert!(st.created <= 3, "{st:?}");
+    assert!(
+        st.waits > 0,
+        "nobody waited: the test proves nothing ({st:?})"
+    );
+    assert_eq!((st.in_use, st.over_cap), (0, 0), "{st:?}");
+    // The disposal stream plus at most 3 pooled ones.
+    assert!(sim.counters().peak_streams <= 4);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+/// Async waiters are served in arrival order, each woken exactly when it is its turn.
+#[test]
+fn async_waiters_fifo() {
+    let (_sim, ctx) = capped(1);
+    let mut holder = Some(ctx.owner());
+    holder.as_ref().unwrap().stream().unwrap();
+    let mut w = Waiters::new(&ctx, 5);
+    assert_send(w.futs[0].as_ref().unwrap());
+    for i in 0..5 {
+        assert!(w.poll(i).is_none());
+    }
+    assert!(w.woken().is_empty());
+    let mut order = Vec::new();
+    let mut current = holder.take();
+    for _ in 0..5 {
+        assert!(w.woken().is_empty(), "woken before its turn");
+        drop(current.take());
+        let woken = w.woken();
+        assert_eq!(woken.len(), 1, "exactly one waiter woken: {woken:?}");
+        // Polling the others first changes nothing: only the first in line is served.
+        for i in (0..5).rev() {
+            if w.futs[i].is_some() && i != woken[0] {
+                assert!(w.poll(i).is_none());
+            }
+        }
+        current = Some(w.poll(woken[0]).expect("the woken waiter is served"));
+        current.as_ref().unwrap().stream().unwrap();
+        order.push(woken[0]);
+    }
+    assert_eq!(order, [0, 1, 2, 3, 4]);
+    drop(current);
+    let st = ctx.stats();
+    assert_eq!((st.created, st.waits, st.in_use), (1, 5, 0), "{st:?}");
+}
+
+/// A waiter dropped at any point (before its first poll, queued, first in line, notified but
+/// not yet polled, resolved) loses no wake-up for the others and leaks no stream or place.
+#[test]
+fn cancellation_at_every_point() {
+    for point in 0..5 {
+        for victim in 0..3 {
+            let (sim, ctx) = capped(1);
+            let holder = ctx.owner();
+            holder.stream().unwrap();
+            let mut w = Waiters::new(&ctx, 3);
+            let mut served = Vec::new();
+            match point {
+                // Never polled: not in the queue at all.
+                0 => {
+                    w.cancel(victim);
+                    for i in (0..3).filter(|&i| i != victim) {
+                        assert!(w.poll(i).is_none());
+                    }
+                    drop(holder);
+                }
+                // Queued (first or not), not notified.
+                1 => {
+                    for i in 0..3 {
+                        assert!(w.poll(i).is_none());
+                    }
+                    w.cancel(victim);
+                    drop(holder);
+                }
+                // Notified (the holder released) but dropped before polling again.
+                2 => {
+                    for i in 0..3 {
+                        assert!(w.poll(i).is_none());
+                    }
+                    drop(holder);
+                    w.cancel(victim);
+                }
+                // Released with work pending: the first waiter armed a completion; dropped then.
+                3 => {
+                    sim.enqueue_work(holder.stream().unwrap().raw(), 1_000)
+                        .unwrap();
+                    for i in 0..3 {
+                        assert!(w.poll(i).is_none());
+                    }
+                    drop(holder);
+                    for i in 0..3 {
+                        assert!(w.poll(i).is_none(), "served a busy stream");
+                    }
+                    w.cancel(victim);
+                    sim.advance(1_000);
+                }
+                // Resolved, then the owner dropped at once.
+                _ => {
+                    for i in 0..3 {
+                        assert!(w.poll(i).is_none());
+                    }
+                    drop(holder);
+                    let first = w.woken()[0];
+                    let o = w.poll(first).unwrap();
+                    served.push(first);
+                    drop(o);
+                }
+            }
+            // Every remaining waiter is served in turn, each woken when it is first (a host
+            // function on the simulation's thread wakes them at point 3). The deadline only turns
+            // a lost wake-up into a failure instead of a hang.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while w.futs.iter().any(Option::is_some) {
+                let woken = w.woken();
+                if woken.is_empty() {
+                    assert!(
+                        Instant::now() < deadline,
+                        "point {point}, victim {victim}: nobody woken, served {served:?}"
+                    );
+                    std::thread::yield_now();
+                    continue;
+                }
+                for i in woken {
+                    if w.futs[i].is_some() {
+                        if let Some(o) = w.poll(i) {
+                            served.push(i);
+                            drop(o);
+                        }
+                    }
+                }
+            }
+            let left: Vec<usize> = (0..3).filter(|&i| w.futs[i].is_some()).collect();
+            let expect = if point == 4 { 3 } else { 2 };
+            assert_eq!(
+                (served.len(), left.len()),
+                (expect, 0),
+                "point {point}, victim {victim}: served {served:?}, stuck {left:?}"
+            );
+            // Nothing leaked: a new owner gets the (single) stream at once.
+            let mut fresh = Waiters::new(&ctx, 1);
+            assert!(fresh.poll(0).is_some(), "point {point}: the cap leaked");
+            let st = ctx.stats();
+            assert_eq!(st.created, 1, "{st:?}");
+            assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+        }
+    }
+}
+
+/// Cap 1 per key, two owners on two threads each holding one priority and then asking for the
+/// other's: waiting while holding would deadlock; an owner that holds a stream never waits.
+#[test]
+fn no_deadlock_with_multi_priority_owners() {
+    let (_sim, ctx) = capped(1);
+    let barrier = Arc::new(Barrier::new(2));
+    let run = |first: Priority, second: Priority| {
+        let (ctx, barrier) = (ctx.clone(), barrier.clone());
+        std::thread::spawn(move || {
+            let o = ctx.owner();
+            o.set_priority(first).unwrap();
+            o.stream().unwrap();
+            barrier.wait(); // both hold their first stream: each key is at its cap
+            o.with_priority(second, || o.stream().map(|s| s.raw()))
+                .unwrap()
+                .unwrap();
+            barrier.wait();
+        })
+    };
+    let a = run(Priority::Normal, Priority::High);
+    let b = run(Priority::High, Priority::Normal);
+    a.join().unwrap();
+    b.join().unwrap();
+    let st = ctx.stats();
+    assert_eq!((st.over_cap, st.waits), (2, 0), "{st:?}");
+    // A first stream still waits at the cap (and is served once the owners are gone).
+    let st = ctx.stats_for(Priority::Normal).unwrap();
+    assert_eq!(st.live, 2, "{st:?}");
+}
+
+/// An owner that holds nothing waits while owners holding several priorities run on; they never
+/// wait, so the waiter is served when they finish.
+#[test]
+fn waiter_behind_multi_priority_owners() {
+    let (_sim, ctx) = capped(1);
+    let a = ctx.owner();
+    a.stream().unwrap();
+    let mut w = Waiters::new(&ctx, 1);
+    assert!(w.poll(0).is_none());
+    a.with_priority(Priority::High, || a.stream().map(|_| ()))
+        .unwrap()
+        .unwrap();
+    assert!(w.woken().is_empty());
+    drop(a);
+    assert_eq!(w.woken(), [0]);
+    assert!(w.poll(0).is_some());
+}
+
+/// A blocking acquisition at the cap whose only candidate is a retired stream with work pending
+/// parks (one host function armed on that stream, no polling of the driver), and wakes when the
+/// work completes: the clock is moved by the test.
+#[test]
+fn blocking_acquire_wakes_when_busy_retired_stream_completes() {
+    let (sim, ctx) = capped(1);
+    let a = ctx.owner();
+    let raw = a.stream().unwrap().raw();
+    sim.enqueue_work(raw, 1_000).unwrap();
+    drop(a); // retired, busy
+    sim.clear_calls();
+    let waiter = {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || ctx.owner().stream().map(|s| s.raw()))
+    };
+    // Until the waiter has armed a host function on the busy stream.
+    while !sim
+        .calls()
+        .iter()
+        .any(|c| c.name == "cuLaunchHostFunc" && c.stream == Some(raw))
+    {
+        std::thread::yield_now();
+    }
+    let queries = |sim: &SimDriver| {
+        sim.calls()
+            .iter()
+            .filter(|c| c.name == "cuStreamQuery")
+            .count()
+    };
+    let before = queries(&sim);
+    for _ in 0..100 {
+        std::thread::yield_now();
+    }
+    assert_eq!(queries(&sim), before, "the waiter polls the driver");
+    assert!(!waiter.is_finished(), "served a busy stream");
+    assert_eq!(ctx.stats().created, 1);
+    sim.advance(1_000);
+    assert_eq!(waiter.join().unwrap().unwrap(), raw);
+    let st = ctx.stats();
+    assert_eq!((st.created, st.waits, st.in_use), (1, 1, 0), "{st:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+/// Blocking waiters on threads are served first come, first served.
+#[test]
+fn blocking_waiters_fifo() {
+    let (_sim, ctx) = capped(1);
+    let holder = ctx.owner();
+    holder.stream().unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let mut hs = Vec::new();
+    for i in 0..4 {
+        let (c, order, arrived) = (ctx.clone(), order.clone(), arrived.clone());
+        hs.push(std::thread::spawn(move || {
+            let o = c.owner();
+            arrived.fetch_add(1, Ordering::AcqRel);
+            o.stream().unwrap();
+            order.lock().unwrap().push(i);
+        }));
+        // The next thread starts only once this one waits in the queue.
+        while ctx.stats().waits < i as u64 + 1 {
+            std::thread::yield_now();
+        }
+    }
+    drop(holder);
+    for h in hs {
+        h.join().unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3]);
+    assert_eq!(arrived.load(Ordering::Acquire), 4);
+}
+
+/// A cap of 0 is refused; the reserve may not exceed the cap.
+#[test]
+fn invalid_options() {
+    let d: Arc<dyn Driver> = Arc::new(SimDriver::new());
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(0));
+    assert!(Context::primary_with(d.clone(), 0, opts).is_err());
+    let (_sim, ctx) = capped(4);
+    assert!(ctx.reserve(Priority::Normal, 5).is_err());
+    assert_eq!(ctx.reserve(Priority::Normal, 4).unwrap(), 4);
+    assert_eq!(ctx.stats().reserved, 4);
+    assert_eq!(ContextOptions::default(), ContextOptions::unbounded());
+    assert_eq!(ContextOptions::server().max_live_streams_per_key, Some(64));
+}
+
+/// The reserve, with a cap equal to it: every acquisition takes a reserved stream or waits for
+/// one; none creates.
+#[test]
+fn reserve_with_cap_never_creates() {
+    let (sim, ctx) = capped(8);
+    assert_eq!(ctx.reserve(Priority::Normal, 8).unwrap(), 8);
+    let created = sim.counters().streams_created;
+    let hs: Vec<_> = (0..8)
+        .map(|_| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    let o = ctx.owner();
+                    o.stream().unwrap().synchronize().unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    assert_eq!(sim.counters().streams_created, created);
+    let st = ctx.stats();
+    assert_eq!((st.misses, st.live, st.idle), (0, 8, 8), "{st:?}");
+}
+
+/// Reserved streams beyond MAX_IDLE stay through releases and `trim`; teardown destroys them.
+#[test]
+fn reserve_beyond_max_idle_stays() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d, 0).unwrap();
+    assert_eq!(ctx.reserve(Priority::High, 40).unwrap(), 40);
+    assert_eq!(ctx.reserve(Priority::High, 40).unwrap(), 0, "already there");
+    let owners: Vec<_> = (0..40)
+        .map(|_| {
+            let o = ctx.owner();
+            o.set_priority(Priority::High).unwrap();
+            o.stream().unwrap();
+            o
+        })
+        .collect();
+    drop(owners);
+    ctx.trim().unwrap();
+    let st = ctx.stats();
+    assert_eq!((st.idle, st.trimmed, st.misses), (40, 0, 0), "{st:?}");
+    drop(ctx);
+    assert_eq!(sim.counters().live_streams, 0);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
