@@ -125,6 +125,34 @@ pub enum DriverArg {
     Sim,
 }
 
+/// Where the crate's buffers allocate from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemPoolArg {
+    /// A pool the crate creates for the context, keeping freed memory cached (the default).
+    Own,
+    /// The device's default pool as configured (its release threshold untouched, 0 by default:
+    /// freed memory goes back to the device at every synchronization).
+    Default,
+}
+
+impl MemPoolArg {
+    /// The context options for this choice.
+    pub fn options(self) -> cuda_stream_pool::ContextOptions {
+        let choice = match self {
+            MemPoolArg::Own => cuda_stream_pool::MemPoolChoice::default(),
+            MemPoolArg::Default => cuda_stream_pool::MemPoolChoice::DeviceDefault,
+        };
+        cuda_stream_pool::ContextOptions::default().mem_pool(choice)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            MemPoolArg::Own => "own",
+            MemPoolArg::Default => "default",
+        }
+    }
+}
+
 /// What the table's strategies and columns mean; printed under the table and by `--help`.
 pub const LEGEND: &str = "\
 Workloads (\"the seed\" is CUDA.jl PR #3317, https://github.com/JuliaGPU/CUDA.jl/pull/3317,
@@ -155,7 +183,7 @@ JSON (--json, --json-out): one object per line, fields (stable: added, never ren
   workload, strategy (strings), threads, tasks (integers; tasks done), wall_s (number),
   ratio_to_floor (number, or null when floor did not run), us_per_owner (number),
   peak_streams, peak_mem_bytes (integers), final_sync_s (number), capped (boolean),
-  repeats (integer), driver (\"cuda\" or \"sim\").";
+  repeats (integer), driver (\"cuda\" or \"sim\"), mem_pool (\"own\" or \"default\").";
 
 /// The seed's workloads (many short owners; producer/consumer) with each stream strategy.
 #[derive(Debug, clap::Parser)]
@@ -186,6 +214,9 @@ pub struct Options {
     /// Print JSON lines instead of a table (the schema: below, and in the README).
     #[arg(long)]
     pub json: bool,
+    /// Memory pool of the crate's buffers: its own (cached) or the device's default as configured.
+    #[arg(long, value_enum, default_value = "own")]
+    pub mem_pool: MemPoolArg,
     /// Seconds after which the `deferred` strategy stops (reported as tasks done in that time);
     /// above 0, at most 86400.
     #[arg(long, default_value_t = 10.0, value_parser = parse_cap, allow_hyphen_values = true)]
@@ -278,6 +309,7 @@ pub struct JsonRow {
     pub capped: bool,
     pub repeats: usize,
     pub driver: String,
+    pub mem_pool: &'static str,
 }
 
 /// Counts streams created outside the pool (the non-pool strategies).
@@ -538,11 +570,11 @@ fn run_one(
 }
 
 /// A new real-time simulated driver's primary context, with the kernels loaded and warmed up.
-fn new_sim_context() -> DemoResult<(Context, Arc<Kernels>)> {
+fn new_sim_context(mem_pool: MemPoolArg) -> DemoResult<(Context, Arc<Kernels>)> {
     let d: Arc<dyn cuda_stream_pool::driver::Driver> =
         Arc::new(cuda_stream_pool::driver::SimDriver::realtime());
     d.init()?;
-    let ctx = Context::primary(d, 0)?;
+    let ctx = Context::primary_with(d, 0, mem_pool.options())?;
     let k = Arc::new(Kernels::load(&ctx)?);
     short_task(&k, &ctx.owner().stream()?)?;
     Ok((ctx, k))
@@ -630,7 +662,7 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                     let fresh_sim = if on_gpu {
                         None
                     } else {
-                        Some(new_sim_context()?)
+                        Some(new_sim_context(opts.mem_pool)?)
                     };
                     let (ctx, k) = match &fresh_sim {
                         Some((c, k)) => (c, k),
@@ -673,6 +705,7 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                     capped: r.capped,
                     repeats: n,
                     driver: ctx.driver().kind().to_string(),
+                    mem_pool: opts.mem_pool.name(),
                 };
                 let line = serde_json::to_string(&row)
                     .map_err(|e| Failure::Message(format!("JSON: {e}")))?;

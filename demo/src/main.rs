@@ -99,7 +99,7 @@ fn run(
     drv.init()?;
     let dev = drv.device_get(0)?;
     let version = drv.driver_version()?;
-    let ctx = Context::primary(drv.clone(), 0)?;
+    let ctx = Context::primary_with(drv.clone(), 0, opts.mem_pool.options())?;
     let range = ctx.priority_range();
     say(format!(
         "device: {} (compute {}.{}, {} SMs), CUDA driver {}.{}, stream priorities {} (least) ..= {} (greatest)",
