@@ -24,6 +24,11 @@ struct Held {
 struct Inner {
     held: SmallVec<[Held; 2]>,
     current: i32,
+    /// A stream (and generation) that this owner's streams must be ordered after before their
+    /// next use: the stream of an attached task's previous owner, kept by a `StreamRef` that
+    /// escaped a poll (see [`Attached`]). Kept, and retried, until the ordering succeeds or that
+    /// generation's work is known to be complete.
+    after: Option<(Arc<Slot>, u64)>,
 }
 
 impl Inner {
@@ -109,6 +114,7 @@ impl Owner {
             inner: RefCell::new(Inner {
                 held: SmallVec::new(),
                 current: normal,
+                after: None,
             }),
         }
     }
@@ -200,21 +206,60 @@ impl Owner {
     }
 
     fn held_or_acquire<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
-        if let Some(i) = inner.held.iter().position(|h| h.pool.priority == p) {
-            return Ok(&inner.held[i]);
-        }
-        let ci = &self.ctx.inner;
-        let pool = ci.pool(p, self.flags);
-        // Only the first stream waits at the cap: an owner that holds one never waits, so no
-        // waiting owner holds a stream and waits cannot form a cycle (see `ContextOptions`).
-        let mode = if inner.held.is_empty() {
-            Mode::Wait
-        } else {
-            Mode::Bypass
+        let i = match inner.held.iter().position(|h| h.pool.priority == p) {
+            Some(i) => i,
+            None => {
+                let ci = &self.ctx.inner;
+                let pool = ci.pool(p, self.flags);
+                // Only the first stream waits at the cap: an owner that holds one never waits,
+                // so no waiting owner holds a stream and waits cannot form a cycle (see
+                // `ContextOptions`).
+                let mode = if inner.held.is_empty() {
+                    Mode::Wait
+                } else {
+                    Mode::Bypass
+                };
+                let (slot, gen) = ci.acquire(&pool, mode)?;
+                inner.held.push(Held { pool, slot, gen });
+                inner.held.len() - 1
+            }
         };
-        let (slot, gen) = ci.acquire(&pool, mode)?;
-        inner.held.push(Held { pool, slot, gen });
-        Ok(&inner.held[inner.held.len() - 1])
+        if inner.after.is_some() {
+            self.settle_after(inner, i)?;
+        }
+        Ok(&inner.held[i])
+    }
+
+    /// Orders held stream `i` after `inner.after` (see [`Inner::after`]), then forgets it; or
+    /// keeps it and fails, enqueuing nothing, when that is not possible now.
+    fn settle_after(&self, inner: &mut Inner, i: usize) -> Result<()> {
+        let Some((prev, gen)) = inner.after.clone() else {
+            return Ok(());
+        };
+        let next = inner.held[i].slot.clone();
+        let ci = &self.ctx.inner;
+        {
+            let st = prev.lock();
+            if st.is_live(gen) {
+                // SAFETY: `prev` is live (its generation is current, under its lock); `next` is
+                // held by this owner.
+                let capturing = st.capturing
+                    || unsafe { ci.capturing(&prev) }
+                    || unsafe { ci.capturing(&next) };
+                if capturing {
+                    return Err(Error::CaptureInProgress(
+                        "the task's earlier stream (kept by a StreamRef that escaped a poll) or                          this one is capturing: the task's work cannot be ordered after its                          earlier work until that capture ends"
+                            .into(),
+                    ));
+                }
+                // SAFETY: both live (above) and neither capturing.
+                unsafe { ci.order(&prev, &next) }?;
+            }
+            // (A generation that is no longer live was handed over or destroyed only after its
+            // work had completed: nothing to wait for.)
+        }
+        inner.after = None;
+        Ok(())
     }
 
     /// A future that resolves to this owner once it holds its stream of the selected priority:
@@ -426,27 +471,16 @@ impl Owner {
     /// poll: same flags and priority, its stream ordered after the escaped one's work.
     fn after_escape(escaped: &Owner) -> Owner {
         let fresh = Owner::with_flags(&escaped.ctx, escaped.flags);
-        let (current, prev) = match escaped.inner.try_borrow() {
-            Ok(i) => (i.current, i.find(i.current).map(|h| h.slot.clone())),
-            Err(_) => (fresh.priority(), None),
-        };
-        {
-            let mut inner = fresh.inner.borrow_mut();
-            inner.current = current;
-            if let Some(prev) = prev {
-                // Order the fresh stream after the escaped one. If that is impossible (the
-                // escaped stream is capturing, or the driver fails), memory stays safe (every
-                // buffer use is ordered by events); only the task's stream order across the
-                // escape is lost.
-                if let Ok(h) = fresh.held_or_acquire(&mut inner, current) {
-                    let next = h.slot.clone();
-                    if !prev.is_capturing() && !next.is_capturing() {
-                        // SAFETY: both streams are held (by the escaped owner, kept alive by
-                        // `escaped`, and by `fresh`), on this thread, and neither is capturing.
-                        let _ = unsafe { escaped.ctx.inner.order(&prev, &next) };
-                    }
-                }
-            }
+        if let Ok(i) = escaped.inner.try_borrow() {
+            let after = i
+                .find(i.current)
+                .map(|h| (h.slot.clone(), h.gen))
+                .or_else(|| i.after.clone());
+            let mut f = fresh.inner.borrow_mut();
+            f.current = i.current;
+            // Ordered (or found complete) at the fresh owner's next stream use; nothing is
+            // acquired here, in a destructor that runs at the end of a poll.
+            f.after = after;
         }
         fresh
     }
@@ -541,8 +575,10 @@ thread_local! {
 /// in a thread-local, or held across `.await` by a future that is not `Send`), the escaped
 /// references keep the owner's streams, on that thread, until they are dropped; the task
 /// continues with a fresh owner whose stream is ordered after the escaped stream's work on the
-/// GPU. So two threads never use one owner, and no stream goes back to the pool while a
-/// reference to it lives.
+/// GPU at its next use. When that ordering is not possible then (either stream is capturing),
+/// that use fails with [`crate::Error::CaptureInProgress`] and the ordering is retried at the
+/// next one: the task's stream order is never given up. So two threads never use one owner, and
+/// no stream goes back to the pool while a reference to it lives.
 #[must_use = "futures do nothing unless polled"]
 pub struct Attached<F> {
     owner: Option<Owner>,

@@ -338,3 +338,72 @@ fn completions_and_owners_are_send() {
     send::<cuda_stream_pool::Attached<std::future::Ready<()>>>();
     let _ = Driver::kind(&SimDriver::new());
 }
+
+thread_local! {
+    static KEPT_CAPTURE: std::cell::RefCell<Option<cuda_stream_pool::CaptureGuard<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The task's work after an escape is ordered after the escaped stream's work, also when that
+/// stream is capturing at the escape: the task's next stream use then fails (retryable) instead
+/// of running unordered, and succeeds, ordered, once the capture ended.
+#[test]
+fn after_an_escape_the_task_stays_ordered_even_across_a_capture() {
+    let (sim, ctx) = setup();
+    let owner = ctx.owner();
+    let buf = {
+        let s = owner.stream().unwrap();
+        let b = DeviceBuffer::<u32>::zeroed(&s, 256).unwrap();
+        s.synchronize().unwrap();
+        b
+    };
+    let ptr = buf.as_raw();
+    let c = ctx.clone();
+    let sim2 = sim.clone();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let refused2 = refused.clone();
+    let mut t = Box::pin(owner.attach(async move {
+        let s = c.stream().unwrap();
+        // Raw work on the task's stream that writes the buffer (no BufferUse on purpose: only
+        // the owner-level stream order protects the read below).
+        sim2.enqueue_access(s.raw(), ptr, 1024, true, 5_000)
+            .unwrap();
+        let g = s.begin_capture().unwrap();
+        KEPT_CAPTURE.with(|k| *k.borrow_mut() = Some(g));
+        KEPT.with(|k| *k.borrow_mut() = Some(s)); // escapes, capturing
+        Yield(false).await;
+        loop {
+            match c.stream() {
+                Err(Error::CaptureInProgress(_)) => {
+                    refused2.fetch_add(1, Ordering::SeqCst);
+                    Yield(false).await;
+                }
+                Ok(s2) => {
+                    sim2.enqueue_access(s2.raw(), ptr, 1024, false, 1).unwrap();
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }));
+    let (_c, w) = waker();
+    assert!(poll(t.as_mut(), &w).is_pending());
+    assert!(
+        poll(t.as_mut(), &w).is_pending(),
+        "ran while the escaped stream captured"
+    );
+    assert_eq!(refused.load(Ordering::SeqCst), 1);
+    // The capture ends (on the thread that holds the escaped reference).
+    KEPT_CAPTURE.with(|k| k.borrow_mut().take().unwrap().end().unwrap());
+    assert!(poll(t.as_mut(), &w).is_ready());
+    KEPT.with(|k| k.borrow_mut().take());
+    drop(t);
+    sim.advance(10_000);
+    // The raw accesses were no `BufferUse`s: wait for them before the buffer is freed.
+    ctx.synchronize().unwrap();
+    drop(buf);
+    // No race: the read on the task's new stream was ordered after the escaped stream's write.
+    assert!(sim.findings().is_empty(), "{:?}", sim.findings());
+    drop(ctx);
+    clean(&sim);
+}
