@@ -285,6 +285,9 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
 /// `OwnedStream`'s) and its slot.
 type Parked = (Option<Arc<Pool>>, Arc<Slot>);
 
+/// Host memory kept for a copy on (slot, generation) whose wait failed.
+type KeptHost = (Arc<Slot>, u64, Box<dyn std::any::Any + Send>);
+
 /// What became of a lent stream whose holder is gone.
 enum LoanEnd {
     /// The other crate holds no handle of it any more and it is not capturing: usable again.
@@ -332,6 +335,9 @@ pub(crate) struct CtxInner {
     /// kept out of the pool, never destroyed, until the loan is returned (the pool of a pooled
     /// stream, `None` for an `OwnedStream`'s).
     lent: Mutex<Vec<Parked>>,
+    /// Host memory that a copy may still read or write after the wait for it failed: kept until
+    /// that stream generation's work is known to be complete (leaked if that never happens).
+    kept_host: Mutex<Vec<KeptHost>>,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
@@ -547,6 +553,7 @@ impl Context {
                 deferred_len: AtomicUsize::new(0),
                 orphans: Mutex::new(Vec::new()),
                 lent: Mutex::new(Vec::new()),
+                kept_host: Mutex::new(Vec::new()),
                 _keep_alive: keep_alive,
                 torn_down: false,
                 hub: OnceLock::new(),
@@ -1087,6 +1094,39 @@ impl CtxInner {
         }
     }
 
+    /// Keeps host memory that a copy enqueued on generation `gen` of `slot` may still access
+    /// (its wait failed), until that work is known to be complete.
+    pub(crate) fn keep_host(&self, slot: &Arc<Slot>, gen: u64, mem: Box<dyn std::any::Any + Send>) {
+        let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+        list.push((slot.clone(), gen, mem));
+        self.deferred_len.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Whether the work enqueued on generation `gen` of `slot` is known to be complete (a wait
+    /// with `wait`, else a query; relaxed mode, never on a capturing stream).
+    fn work_done(&self, slot: &Slot, gen: u64, wait: bool) -> bool {
+        let st = slot.lock();
+        if !st.is_live(gen) {
+            // Handed over or destroyed only after its work had completed.
+            return true;
+        }
+        // SAFETY: live (generation current, under its lock).
+        if st.capturing || unsafe { self.capturing(slot) } {
+            return false;
+        }
+        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
+            return false;
+        };
+        // SAFETY: live and not capturing (above).
+        unsafe {
+            if wait {
+                self.driver.stream_synchronize(slot.raw).is_ok()
+            } else {
+                self.driver.stream_query(slot.raw) == Ok(true)
+            }
+        }
+    }
+
     /// Keeps a stream whose loan is still out, for a later flush.
     fn park(&self, pool: Option<Arc<Pool>>, slot: Arc<Slot>) {
         let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
@@ -1262,6 +1302,20 @@ impl CtxInner {
         for slot in orphans {
             self.destroy_or_keep(slot, wait);
         }
+        let kept = {
+            let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
+            std::mem::take(&mut *list)
+        };
+        for (slot, gen, mem) in kept {
+            if self.work_done(&slot, gen, wait) {
+                drop(mem);
+            } else {
+                let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+                list.push((slot, gen, mem));
+                self.deferred_len.fetch_add(1, Ordering::AcqRel);
+            }
+        }
         let lent = {
             let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
             self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
@@ -1313,6 +1367,9 @@ impl Drop for CtxInner {
                 lent: Mutex::new(std::mem::take(
                     self.lent.get_mut().unwrap_or_else(|p| p.into_inner()),
                 )),
+                kept_host: Mutex::new(std::mem::take(
+                    self.kept_host.get_mut().unwrap_or_else(|p| p.into_inner()),
+                )),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,
                 hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
@@ -1338,6 +1395,10 @@ impl Drop for CtxInner {
         if let Some(h) = self.hub.get() {
             // Every stream has been drained: the completions' writes and copies have landed.
             h.shutdown();
+        }
+        // Host memory a copy may still access is leaked (its wait keeps failing).
+        for kept in std::mem::take(self.kept_host.get_mut().unwrap_or_else(|p| p.into_inner())) {
+            std::mem::forget(kept);
         }
         // Frees still pending here are leaked (their stream is captured by a leaked guard, or
         // the driver refuses): leaking is safe, freeing unordered is not.

@@ -597,9 +597,13 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// [`Error::InvalidArgument`] when the lengths differ; [`Error::CaptureInProgress`] on a
     /// capturing stream; as [`DeviceBuffer::use_on`]; the driver's error.
     pub fn copy_from_host(&mut self, stream: &StreamRef<'_>, src: &[T]) -> Result<()> {
-        // SAFETY: `src` outlives the call, which returns only after the copy has completed.
-        unsafe { self.copy_from_host_async(stream, src)? };
-        stream.synchronize()
+        self.check_len(src.len(), "copy_from_host")?;
+        // The copy reads a staging copy of `src`: if the wait fails, the copy may still be
+        // pending, and `src` is the caller's again once this returns.
+        let staging = src.to_vec();
+        // SAFETY: `staging` is kept until the copy has completed: below, or by the context.
+        unsafe { self.copy_from_host_async(stream, &staging)? };
+        finish_host_copy(stream, Box::new(staging))
     }
 
     /// Copies the buffer into `dst` on `stream`; returns once the copy has completed.
@@ -619,10 +623,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::copy_from_host`].
     pub fn copy_to_host(&self, stream: &StreamRef<'_>, dst: &mut [T]) -> Result<()> {
-        // SAFETY: `dst` is exclusively borrowed until we return, and we return only after the
-        // stream (and so the copy) has completed.
-        unsafe { self.copy_to_host_async(stream, dst)? };
-        stream.synchronize()
+        self.check_len(dst.len(), "copy_to_host")?;
+        let v = self.to_vec(stream)?;
+        dst.copy_from_slice(&v);
+        Ok(())
     }
 
     /// Enqueues a copy of `src` into the buffer on `stream` and returns without waiting.
@@ -720,8 +724,19 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             std::ptr::write_bytes(v.as_mut_ptr(), 0, self.len);
             v.set_len(self.len);
         }
-        self.copy_to_host(stream, &mut v)?;
-        Ok(v)
+        // SAFETY: `v` is kept until the copy has completed: returned after the wait, or kept by
+        // the context when the wait fails (the copy may still be pending then).
+        unsafe { self.copy_to_host_async(stream, &mut v)? };
+        let mut v = Some(v);
+        match stream.synchronize() {
+            Ok(()) => Ok(v.take().unwrap_or_default()),
+            Err(e) => {
+                if let Some(v) = v.take() {
+                    keep_for_copy(stream, Box::new(v));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Sets every element to `value` on `stream` (asynchronously). `T` must be 4 bytes wide.
@@ -781,4 +796,22 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         let live = last.slot.lock().is_live(last.gen);
         Some((last.slot.raw, last.gen, live))
     }
+}
+
+/// Waits for a host copy on `stream` whose host memory is `mem`; when the wait fails the copy
+/// may still be pending, so `mem` is kept by the context until the stream's work is known to be
+/// complete.
+fn finish_host_copy(stream: &StreamRef<'_>, mem: Box<dyn std::any::Any + Send>) -> Result<()> {
+    match stream.synchronize() {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            keep_for_copy(stream, mem);
+            Err(e)
+        }
+    }
+}
+
+/// Hands host memory that a pending copy on `stream` may still access to the context.
+fn keep_for_copy(stream: &StreamRef<'_>, mem: Box<dyn std::any::Any + Send>) {
+    stream.ctx.inner.keep_host(&stream.slot, stream.gen, mem);
 }

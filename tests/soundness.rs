@@ -766,3 +766,56 @@ on_both_drivers! {
     owned_stream_drop_keeps_foreign_capture,
     alloc_free_keep_captures,
 }
+
+/// Found while hunting a heap corruption of the model test: a host copy whose synchronize failed
+/// returned the error while the copy was still pending, and the host memory (to_vec's vector,
+/// or the caller's slice) was freed or reused while the copy could still write it (read it).
+/// The copy must target memory that outlives it: staging memory that is leaked when the wait
+/// fails.
+#[test]
+fn defect_17_a_failed_wait_never_frees_memory_a_copy_still_targets() {
+    use cuda_stream_pool::driver::SimDriver;
+    use cuda_stream_pool::ErrorCode;
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<u8>::zeroed(&s, 1 << 16).unwrap();
+    s.synchronize().unwrap();
+    let mut reads = Vec::new();
+    for round in 0..3 {
+        sim.enqueue_work(s.raw(), 1_000_000).unwrap(); // the copy waits behind this
+        sim.fail_calls("cuStreamSynchronize", ErrorCode::ERROR_UNKNOWN, 1);
+        let r = match round {
+            0 => b.to_vec(&s).map(|_| ()),
+            1 => {
+                let mut dst = vec![7u8; 1 << 16];
+                let r = b.copy_to_host(&s, &mut dst);
+                reads.push(dst); // the caller reuses its slice
+                r
+            }
+            _ => {
+                let mut b2 = DeviceBuffer::<u8>::zeroed(&s, 1 << 16).unwrap();
+                let src = vec![1u8; 1 << 16];
+                let r = b2.copy_from_host(&s, &src);
+                drop(src); // freed: the pending copy must not read it
+                s.synchronize().unwrap();
+                drop(b2);
+                r
+            }
+        };
+        assert!(r.is_err(), "the injected fault did not hit the wait");
+        // The pending copy lands now: into memory the crate kept, not into freed memory.
+        sim.advance(2_000_000);
+        s.synchronize().unwrap();
+    }
+    // The caller's slice was not written after the call returned.
+    assert!(
+        reads[0].iter().all(|&x| x == 7),
+        "a copy wrote the caller's slice after the call"
+    );
+    // The kept staging memory is released once its copies are known complete.
+    ctx.trim().unwrap();
+    assert_eq!(ctx.pending(), 0);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
