@@ -10,14 +10,18 @@
 //!   `spawn_blocking`-free code (blocks the worker).
 //!
 //! ```sh
-//! cargo run --release --example async_server -- [--n 10000] [--mode async|blocking|shared] [--workers 16] [--json]
+//! cargo run --release --example async_server -- [--n 10000] [--mode async|blocking|shared] [--workers 16] [--cap 64] [--json]
 //! ```
+//! `--cap N` caps live streams per key (`ContextOptions::max_live_streams_per_key`; 0, the
+//! default, is no cap); async tasks then wait for a stream with `Owner::ready` (FIFO, no thread
+//! blocked).
+//!
 //! Prints requests/s, p50/p99 latency, OS threads of the process, peak live streams and peak
 //! device memory (from the driver's free-memory query).
 
 use cuda_stream_pool::driver::{self, Choice, Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
-use cuda_stream_pool::{Context, DeviceBuffer};
+use cuda_stream_pool::{Context, ContextOptions, DeviceBuffer};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,12 +30,15 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 const LEN: usize = 256;
 
-fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// The value of `--name V`, or `default` when absent; a missing or unparsable value is an error.
+fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Res<T> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{name} needs a valid value").into()),
+    }
 }
 
 fn os_threads() -> u64 {
@@ -53,9 +60,12 @@ fn check(v: &[u32], i: u32) -> Res<()> {
 }
 
 async fn request_async(ctx: Context, k: Arc<Kernels>, i: u32) -> Res<()> {
+    // Nothing here blocks the worker thread: allocation, memset, launch and the copy back are
+    // enqueued, and the copy is awaited.
     let copy = {
         let s = ctx.stream()?; // the attached owner's stream
-        let b = DeviceBuffer::from_slice(&s, &[i; LEN])?;
+        let mut b = DeviceBuffer::<u32>::alloc(&s, LEN)?;
+        b.fill(&s, i)?;
         k.add_u32(&s, &b, 1)?;
         b.to_vec_async(&s)?
     };
@@ -79,10 +89,15 @@ fn request_shared(ctx: &Context, k: &Kernels, i: u32) -> Res<()> {
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
-    let n: u32 = arg(&args, "--n", 10_000);
-    let workers: usize = arg(&args, "--workers", 16);
-    let mode: String = arg(&args, "--mode", "async".to_string());
+    let n: u32 = arg(&args, "--n", 10_000)?;
+    let workers: usize = arg(&args, "--workers", 16)?;
+    let mode: String = arg(&args, "--mode", "async".to_string())?;
+    let cap: usize = arg(&args, "--cap", 0)?; // 0: no cap
     let json = args.iter().any(|a| a == "--json");
+    if n == 0 || workers == 0 || !["async", "blocking", "shared"].contains(&mode.as_str()) {
+        return Err("--n and --workers must be positive, --mode async|blocking|shared".into());
+    }
+    let opts = ContextOptions::default().max_live_streams_per_key((cap > 0).then_some(cap));
     let drv: Arc<dyn Driver> = match driver::load(Choice::Cuda) {
         Ok((d, _)) => d,
         Err(e) => {
@@ -90,7 +105,7 @@ fn main() -> Res<()> {
             Arc::new(SimDriver::realtime())
         }
     };
-    let ctx = Context::primary(drv.clone(), 0)?;
+    let ctx = Context::primary_with(drv.clone(), 0, opts)?;
     let k = Arc::new(Kernels::load(&ctx)?);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
@@ -146,13 +161,16 @@ fn main() -> Res<()> {
                     request_shared(&ctx, &k, i)?;
                     Ok(t0.elapsed().as_nanos() as u64)
                 }),
-                _ => {
-                    let owner = ctx.owner();
-                    tokio::spawn(owner.attach(async move {
-                        request_async(ctx, k, i).await?;
-                        Ok(t0.elapsed().as_nanos() as u64)
-                    }))
-                }
+                _ => tokio::spawn(async move {
+                    // At the cap, wait for a stream without blocking the worker.
+                    let owner = ctx.owner().ready().await?;
+                    owner
+                        .attach(async move {
+                            request_async(ctx, k, i).await?;
+                            Ok(t0.elapsed().as_nanos() as u64)
+                        })
+                        .await
+                }),
             };
             handles.push(h);
         }
@@ -173,6 +191,8 @@ fn main() -> Res<()> {
         }
     })?;
     let wall = start.elapsed();
+    // The pool's own high-water mark (exact), besides the sampler's readings.
+    peak_streams.fetch_max(ctx.stats().peak_live, Ordering::Relaxed);
     let mut lat = lat;
     lat.sort_unstable();
     let p = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize] as f64 / 1e3;
@@ -182,7 +202,7 @@ fn main() -> Res<()> {
     if json {
         println!(
             "{}",
-            serde_json::json!({"mode": mode, "n": n, "workers": workers, "driver": drv.kind(),
+            serde_json::json!({"mode": mode, "n": n, "workers": workers, "cap": cap, "driver": drv.kind(),
                 "requests_per_s": rps, "p50_us": p(0.5), "p99_us": p(0.99),
                 "peak_os_threads": peak_threads.load(Ordering::Relaxed),
                 "peak_live_streams": peak_streams.load(Ordering::Relaxed),
