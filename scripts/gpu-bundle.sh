@@ -14,7 +14,9 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)   # also in a worktree, where .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 rm -rf .gpu && mkdir -p .gpu/tests .gpu/bin
 extra=()
 feats=()
@@ -59,9 +61,12 @@ cat > .gpu/run-tests.sh <<'SH'
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 pass=0 fail=0
+# Tests that run a bundled program find it as cargo would tell them (CARGO_BIN_EXE_<name>).
+envs=()
+for b in .gpu/bin/*; do [ -f "$b" ] && envs+=("CARGO_BIN_EXE_${b##*/}=$PWD/$b"); done
 for t in .gpu/tests/*; do
   echo "=== ${t##*/}"
-  if out=$("$t" --include-ignored "$@" 2>&1); then :; fi
+  if out=$(env "${envs[@]}" "$t" --include-ignored "$@" 2>&1); then :; fi
   echo "$out" | grep -E '^(test |failures:|---- )|panicked|test result' | grep -v '\.\.\. ok$' || true
   p=$(echo "$out" | sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' | awk '{s+=$1} END {print s+0}')
   f=$(echo "$out" | sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' | awk '{s+=$1} END {print s+0}')
