@@ -394,7 +394,8 @@ fn after_an_escape_the_task_stays_ordered_even_across_a_capture() {
     );
     assert_eq!(refused.load(Ordering::SeqCst), 1);
     // The capture ends (on the thread that holds the escaped reference).
-    let _graph = KEPT_CAPTURE.with(|k| k.borrow_mut().take().unwrap().end().unwrap());
+    let graph = KEPT_CAPTURE.with(|k| k.borrow_mut().take().unwrap().end().unwrap());
+    drop(graph);
     assert!(poll(t.as_mut(), &w).is_ready());
     KEPT.with(|k| k.borrow_mut().take());
     drop(t);
