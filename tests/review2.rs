@@ -6,9 +6,6 @@
 
 #[path = "common/calls.rs"]
 mod calls;
-#[allow(dead_code)]
-#[path = "common/hooked.rs"]
-mod hooked;
 #[path = "common/pausing.rs"]
 mod pausing;
 
@@ -184,7 +181,8 @@ fn wake_up_host_function_runs_a_waker_that_polls_and_calls_the_driver() {
     let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
     let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
     let first = ctx.owner();
-    sim.enqueue_work(first.stream().unwrap().raw(), 1_000).unwrap();
+    sim.enqueue_work(first.stream().unwrap().raw(), 1_000)
+        .unwrap();
     drop(first); // the only stream is retired, busy for 1 µs
     let (tx, rx) = mpsc::channel();
     let inline = Arc::new(Inline {
@@ -231,7 +229,11 @@ impl Wake for Panicking {
 fn a_panicking_waker_kills_the_poller_and_recycles_staging_memory_under_a_pending_copy() {
     let (sim, ctx) = setup();
     let (a, b, c) = (ctx.owner(), ctx.owner(), ctx.owner());
-    let (sa, sb, sc) = (a.stream().unwrap(), b.stream().unwrap(), c.stream().unwrap());
+    let (sa, sb, sc) = (
+        a.stream().unwrap(),
+        b.stream().unwrap(),
+        c.stream().unwrap(),
+    );
     let old = DeviceBuffer::from_slice(&sb, &[2u32; 16]).unwrap();
     let new = DeviceBuffer::from_slice(&sc, &[3u32; 16]).unwrap();
     // A copy to the host on `sb`, behind long work; its future is dropped (the entry keeps the
@@ -252,7 +254,7 @@ fn a_panicking_waker_kills_the_poller_and_recycles_staging_memory_under_a_pendin
     }
     assert!(p.0.load(Ordering::SeqCst), "the waker was never called");
     std::thread::sleep(Duration::from_millis(200)); // the poller unwinds
-    // A new copy of the same size class; it lands at once.
+                                                    // A new copy of the same size class; it lands at once.
     let mut copy = Box::pin(new.to_vec_async(&sc).unwrap());
     sim.advance(0);
     // The old copy lands later (its stream's work ends), before the new one is read.
@@ -298,7 +300,7 @@ fn teardown_frees_a_staging_block_whose_copy_is_pending_on_a_lent_stream() {
     drop(s);
     drop(o);
     drop(ctx); // the borrower still holds `h`: the stream and its pending copy stay
-    // The slab may go (its write landed); the staging block must stay.
+               // The slab may go (its write landed); the staging block must stay.
     let freed_under_copy = sim.counters().live_host_allocs == 0;
     // Keep the simulation from running the copy (into freed memory) before it is dropped.
     std::mem::forget(h);
@@ -370,5 +372,69 @@ fn lend_deadlocks_when_wrap_lends_the_same_stream() {
     assert!(
         rx.recv_timeout(Duration::from_secs(5)).is_ok(),
         "StreamRef::lend deadlocked (wrap lent the same stream)"
+    );
+}
+
+/// Finding 8 (high: a deadlock from safe code, lost wake-up). With a cap, a stream whose holder
+/// is gone while its loan is out is parked in `CtxInner::lent` and still counts as live. When the
+/// borrower drops its last handle, nothing notices: the gate is notified only by releases,
+/// destroys and the wake-up host functions of retired streams, and a waiter's attempts look at
+/// the pool's shards, never at the parked list (only a later release, allocation, free or trim
+/// flushes it). A thread waiting at the cap (here the only other user of the context) parks
+/// forever although the stream is free.
+#[test]
+fn a_waiter_at_the_cap_is_never_woken_when_a_parked_loan_ends() {
+    let sim = Arc::new(SimDriver::new());
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    let a = ctx.owner();
+    let h = a
+        .stream()
+        .unwrap()
+        .lend(|raw| Ok(Arc::new(Foreign(raw))))
+        .unwrap();
+    drop(a); // parked: the loan is out
+    let (tx, rx) = mpsc::channel();
+    let c = ctx.clone();
+    std::thread::spawn(move || {
+        let o = c.owner();
+        let r = o.stream().map(|s| s.raw());
+        let _ = tx.send(r.map_err(|e| format!("{e}")));
+    });
+    // Let the waiter park at the cap (a bounded wait, not an assertion on time).
+    std::thread::sleep(Duration::from_millis(200));
+    drop(h); // the loan ends: the stream is free
+    let got = rx.recv_timeout(TIMEOUT);
+    assert!(
+        got.is_ok(),
+        "the waiter was never woken after the lent stream's last handle was dropped"
+    );
+}
+
+/// Finding 9 (medium: a lent handle outlives its stream). `lend` promises that while anyone holds
+/// a clone of the returned `Arc` the stream is not destroyed. The context's teardown leaves a
+/// parked lent stream alone but then releases the primary context it retained
+/// (`cuDevicePrimaryCtxRelease`): when that was the last retain (no cudarc context keeping it),
+/// CUDA resets the primary context and destroys every stream of it, the lent one included, so the
+/// borrower's handle names a destroyed stream. The state should keep the context retained while
+/// a loan is out (or refuse to release it).
+#[test]
+fn teardown_releases_the_primary_context_while_a_loan_is_out() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let h = o
+        .stream()
+        .unwrap()
+        .lend(|raw| Ok(Arc::new(Foreign(raw))))
+        .unwrap();
+    drop(o);
+    assert_eq!(sim.counters().live_contexts, 1);
+    drop(ctx);
+    let retained = sim.counters().live_contexts;
+    drop(h);
+    assert_eq!(
+        retained, 1,
+        "the primary context (and with it, on CUDA, the lent stream) was released while the \
+         borrower still holds a handle of its stream"
     );
 }
