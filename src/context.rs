@@ -1008,16 +1008,22 @@ impl CtxInner {
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
     /// host-function thread: there it only puts the stream back, with no driver call).
     pub(crate) fn release(&self, pool: &Arc<Pool>, slot: Arc<Slot>) {
-        self.release_slot(pool, slot, true)
+        self.release_slot(pool, slot, false)
     }
 
-    /// [`CtxInner::release`]; `flush` is off when called from a flush (which holds no list).
-    fn release_slot(&self, pool: &Arc<Pool>, slot: Arc<Slot>, flush: bool) {
+    /// [`CtxInner::release`]; `parked`: the stream comes from the list of parked loans (a
+    /// flush retrying it), so the cap does not count it and no flush is started from here.
+    fn release_slot(&self, pool: &Arc<Pool>, slot: Arc<Slot>, parked: bool) {
+        let flush = !parked;
         let driver_ok = !on_host_fn_thread();
         if slot.is_lent() {
             match self.end_loan(&slot, driver_ok) {
                 LoanEnd::Returned => {}
                 LoanEnd::Out => {
+                    if !parked {
+                        // Leaves the cap's accounting until the loan ends.
+                        pool.forget_lent();
+                    }
                     self.park(Some(pool.clone()), slot);
                     // Streams parked earlier may have come back meanwhile.
                     if flush && driver_ok {
@@ -1025,7 +1031,17 @@ impl CtxInner {
                     }
                     return;
                 }
-                LoanEnd::Stuck => return,
+                LoanEnd::Stuck => {
+                    // Never used again (leaked): no longer counted.
+                    if !parked {
+                        pool.forget_lent();
+                    }
+                    return;
+                }
+            }
+            if parked {
+                // A parked stream whose loan ended: counted again.
+                pool.readopt_lent();
             }
         }
         pool.release(&*self.driver, slot, driver_ok);
@@ -1323,7 +1339,7 @@ impl CtxInner {
         };
         for (pool, slot) in lent {
             match pool {
-                Some(pool) => self.release_slot(&pool, slot, false),
+                Some(pool) => self.release_slot(&pool, slot, true),
                 None => self.destroy_or_keep(slot, wait),
             }
         }
@@ -1426,7 +1442,14 @@ impl Drop for CtxInner {
             // outstanding (frees in flight, or leaked above) until they are freed.
             let _ = unsafe { self.driver.mem_pool_destroy(self.mem_pool) };
         }
-        if self.primary {
+        // A stream still lent to another crate lives in this context: releasing the primary
+        // context could destroy it under the borrower (the last release does). Keep the retain.
+        let loans_out = !self
+            .lent
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
+        if self.primary && !loans_out {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }

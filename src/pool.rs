@@ -52,6 +52,8 @@ pub(crate) struct Slot {
     loan: Mutex<Option<Loan>>,
     /// Whether `loan` is set, readable without its lock.
     lent: AtomicBool,
+    /// Set while a loan's handle is being made (`Slot::lend`).
+    lending: AtomicBool,
     /// The wake-up host function of the pool's gate on the (retired) stream: [`UNARMED`],
     /// [`ARMED`] (enqueued: one per stream, however many acquisitions wait) or [`RAN`].
     armed: AtomicU8,
@@ -187,18 +189,35 @@ impl Slot {
             state: Mutex::new(st),
             loan: Mutex::new(None),
             lent: AtomicBool::new(false),
+            lending: AtomicBool::new(false),
             armed: AtomicU8::new(UNARMED),
         }
     }
 
     /// The handle lent to another crate for this stream: the existing one, or `make()`'s,
-    /// which is kept (the caller holds the stream).
-    pub(crate) fn lend<E>(&self, make: impl FnOnce() -> Result<Loan, E>) -> Result<Loan, E> {
-        let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = l.as_ref() {
-            return Ok(a.clone());
+    /// which is kept (the caller holds the stream, so only its thread lends it). `make` runs
+    /// without the loan's lock; a `make` that lends the same stream again gets an error.
+    pub(crate) fn lend(&self, make: impl FnOnce() -> Result<Loan>) -> Result<Loan> {
+        {
+            let l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(a) = l.as_ref() {
+                return Ok(a.clone());
+            }
+            if self.lending.swap(true, Ordering::AcqRel) {
+                return Err(crate::error::Error::invalid(
+                    "the stream is being lent already (a wrap function lent it again)",
+                ));
+            }
         }
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done(&self.lending);
         let a = make()?;
+        let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
         *l = Some(a.clone());
         self.lent.store(true, Ordering::Release);
         Ok(a)
@@ -657,6 +676,19 @@ impl std::fmt::Debug for Ticket {
 }
 
 impl Pool {
+    /// A held stream leaves the pool's accounting: its owner is gone while another crate still
+    /// holds a handle of it (a loan). It no longer counts against the cap, so waiters are not
+    /// held up by a stream the pool cannot get back on its own; a waiter may create instead.
+    pub(crate) fn forget_lent(&self) {
+        self.gate.gone();
+    }
+
+    /// A stream forgotten by [`Pool::forget_lent`] comes back (its loan ended): counted again
+    /// (beyond the cap if need be; the next releases and trims bring the count down).
+    pub(crate) fn readopt_lent(&self) {
+        self.gate.reserve(true);
+    }
+
     pub(crate) fn new(priority: i32, flags: u32, cap: Option<usize>) -> Pool {
         Pool {
             priority,

@@ -118,8 +118,8 @@ impl<'a> StreamRef<'a> {
     /// crate begins on it is never joined or invalidated by the crate; a stream the other crate
     /// leaves capturing is never used again.
     ///
-    /// `wrap` runs at most once per loan, under a lock of the stream: it must not call back
-    /// into the crate for this stream.
+    /// `wrap` runs at most once per loan; if it lends the same stream again, that inner call
+    /// fails with [`Error::InvalidArgument`].
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};

@@ -124,21 +124,27 @@ fn after_escape_joins_the_borrowers_capture_of_a_lent_escaped_stream() {
     let w = Waker::from(Arc::new(Noop));
     assert!(poll(t.as_mut(), &w).is_pending());
     let h = LOAN.with(|l| l.borrow_mut().take()).unwrap();
-    let fresh = t.owner().unwrap().streams()[0].1.raw();
-    assert_ne!(fresh, h.0);
-    // SAFETY: the fresh owner holds its stream; the loan keeps the borrower's alive.
-    let fresh_capturing = unsafe { sim.stream_is_capturing(fresh) }.unwrap();
+    // The fresh owner's next stream use must be ordered after the escaped (capturing) stream:
+    // impossible while the borrower captures, so it is refused, enqueuing nothing.
+    let fresh = t.owner().unwrap();
+    match fresh.stream() {
+        Err(cuda_stream_pool::Error::CaptureInProgress(_)) => {}
+        other => panic!("the fresh owner used a stream unordered or joined the capture: {other:?}"),
+    }
     // SAFETY: the borrower ends its own capture.
     let ended = unsafe { sim.stream_end_capture(h.0) };
-    assert_eq!(
-        fresh_capturing,
-        CaptureStatus::None,
-        "the fresh owner's stream was pulled into the borrower's capture"
-    );
     assert!(
         ended.is_ok(),
         "the borrower's capture was broken by the crate: {ended:?}"
     );
+    // SAFETY: the graph was made by the borrower's capture.
+    unsafe { sim.graph_destroy(ended.unwrap()) }.unwrap();
+    // Now the ordering is possible, and the fresh owner gets its stream.
+    let fresh_stream = fresh.stream().unwrap().raw();
+    assert_ne!(fresh_stream, h.0);
+    // SAFETY: the fresh owner holds its stream.
+    let fresh_capturing = unsafe { sim.stream_is_capturing(fresh_stream) }.unwrap();
+    assert_eq!(fresh_capturing, CaptureStatus::None);
     KEPT.with(|k| k.borrow_mut().take());
     drop(t);
     drop(h);
