@@ -75,7 +75,9 @@ impl Entry {
         };
         drop(keep);
         if let Some(w) = waker {
-            w.wake();
+            // A panicking waker is contained: it must not stop the poller (whose entries keep
+            // memory that copies still write).
+            crate::hostfn::wake_task(w);
         }
     }
 }
@@ -280,6 +282,17 @@ impl Hub {
         })
     }
 
+    /// Takes a staging block out of the hub's care: a copy into it may still be pending after
+    /// its wait failed. [`KeptStaging`] gives it back once that copy is known complete; until
+    /// then the hub's teardown does not free it (nor ever, if that never happens).
+    fn detach_staging(self: &Arc<Self>, s: Staging) -> KeptStaging {
+        lock(&self.state).staging_all.retain(|&p| p != s.addr);
+        KeptStaging {
+            hub: self.clone(),
+            staging: Some(s),
+        }
+    }
+
     fn return_staging(&self, s: Staging) {
         let mut st = lock(&self.state);
         match st.staging.iter_mut().find(|(c, _)| *c == s.class) {
@@ -329,6 +342,23 @@ impl Hub {
             let _ = unsafe { self.driver.mem_free_host(p as *mut u8) };
         }
         st.staging.clear();
+    }
+}
+
+/// A staging block that a copy may still write, kept by the context (see
+/// [`Hub::detach_staging`]): given back to the hub when dropped, i.e. once the copy is known
+/// complete.
+struct KeptStaging {
+    hub: Arc<Hub>,
+    staging: Option<Staging>,
+}
+
+impl Drop for KeptStaging {
+    fn drop(&mut self) {
+        if let Some(s) = self.staging.take() {
+            lock(&self.hub.state).staging_all.push(s.addr);
+            self.hub.return_staging(s);
+        }
     }
 }
 
@@ -577,9 +607,11 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 if stream.synchronize().is_ok() {
                     hub.return_staging(staging);
                 } else {
-                    // Not returned to the free list: the block stays allocated (freed at the
-                    // context's teardown, after its streams were drained).
-                    let _ = staging;
+                    // The copy may still be pending: the context keeps the block until the
+                    // stream's work is known complete (leaked if never), the hub forgets it.
+                    let kept = hub.detach_staging(staging);
+                    ctx.inner
+                        .keep_host(&stream.slot, stream.gen, Box::new(kept));
                 }
                 Err(e)
             }

@@ -231,55 +231,7 @@ impl ContextOptions {
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
-thread_local! {
-    static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether the calling thread is running a host function enqueued by the crate. There the driver
-/// must not be called (the real driver refuses or deadlocks), and waiting for the GPU would wait
-/// for the running host function itself.
-pub(crate) fn on_host_fn_thread() -> bool {
-    IN_HOST_FN.try_with(|f| f.get()).unwrap_or(false)
-}
-
-/// Wraps a host function so that the crate's destructors know they run in one (the closure's
-/// captures are dropped inside it).
-pub(crate) fn host_fn(f: impl FnOnce() + Send + 'static) -> driver::HostFn {
-    Box::new(move || {
-        struct Reset;
-        impl Drop for Reset {
-            fn drop(&mut self) {
-                let _ = IN_HOST_FN.try_with(|x| x.set(false));
-            }
-        }
-        let _ = IN_HOST_FN.try_with(|x| x.set(true));
-        let _reset = Reset;
-        f()
-    })
-}
-
-/// Runs a destructor's driver work now, or, on a host-function thread, on a thread of its own
-/// (if no thread can be started, the work is leaked: leaking is safe, calling the driver from a
-/// host function is not).
-pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
-    if !on_host_fn_thread() {
-        return f();
-    }
-    let job = Arc::new(Mutex::new(Some(f)));
-    let run = job.clone();
-    let spawned = std::thread::Builder::new()
-        .name("cuda-stream-pool-drop".into())
-        .spawn(move || {
-            if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                f()
-            }
-        });
-    if spawned.is_err() {
-        if let Some(f) = job.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            std::mem::forget(f);
-        }
-    }
-}
+pub(crate) use crate::hostfn::{host_fn, off_host_fn_thread, on_host_fn_thread};
 
 /// A stream whose holder is gone while its loan is out: its pool (`None` for an
 /// `OwnedStream`'s) and its slot.

@@ -140,6 +140,7 @@ mod context;
 pub mod cudarc;
 pub mod driver;
 mod error;
+mod hostfn;
 #[cfg(feature = "kernels")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kernels")))]
 pub mod kernels;

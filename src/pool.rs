@@ -464,7 +464,7 @@ impl Wake {
     fn wake(self) {
         match self {
             Wake::Thread(t) => t.unpark(),
-            Wake::Task(w) => w.wake(),
+            Wake::Task(w) => crate::hostfn::wake_task(w),
         }
     }
 }

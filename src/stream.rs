@@ -118,6 +118,12 @@ impl<'a> StreamRef<'a> {
     /// crate begins on it is never joined or invalidated by the crate; a stream the other crate
     /// leaves capturing is never used again.
     ///
+    /// Limit: the crate checks a lent stream's capture state before each enqueue, but a borrower
+    /// on *another* thread can begin a capture between that check and the enqueue (as any two
+    /// threads sharing one CUDA stream can race); that capture may then be invalidated. Begin
+    /// captures of a lent stream on the thread that holds its owner, or while the crate is not
+    /// using it.
+    ///
     /// `wrap` runs at most once per loan; if it lends the same stream again, that inner call
     /// fails with [`Error::InvalidArgument`].
     ///

@@ -1,0 +1,115 @@
+//! Host functions: the crate's wrapper that marks the thread running one, and the rule that
+//! follows. The driver must not be called there (the real driver refuses or deadlocks), waiting
+//! for the GPU would wait for the running host function itself, and user code (a waker that
+//! polls its future inline) must not be run there either. The lowest layer: used by the pool,
+//! the context and everything above.
+
+use crate::driver;
+use std::sync::{Arc, Mutex};
+
+thread_local! {
+    static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is running a host function enqueued by the crate. There the driver
+/// must not be called (the real driver refuses or deadlocks), and waiting for the GPU would wait
+/// for the running host function itself.
+pub(crate) fn on_host_fn_thread() -> bool {
+    IN_HOST_FN.try_with(|f| f.get()).unwrap_or(false)
+}
+
+/// Wraps a host function so that the crate's destructors know they run in one (the closure's
+/// captures are dropped inside it).
+pub(crate) fn host_fn(f: impl FnOnce() + Send + 'static) -> driver::HostFn {
+    Box::new(move || {
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                let _ = IN_HOST_FN.try_with(|x| x.set(false));
+            }
+        }
+        let _ = IN_HOST_FN.try_with(|x| x.set(true));
+        let _reset = Reset;
+        f()
+    })
+}
+
+/// Runs a destructor's driver work now, or, on a host-function thread, on a thread of its own
+/// (if no thread can be started, the work is leaked: leaking is safe, calling the driver from a
+/// host function is not).
+pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
+    if !on_host_fn_thread() {
+        return f();
+    }
+    let job = Arc::new(Mutex::new(Some(f)));
+    let run = job.clone();
+    let spawned = std::thread::Builder::new()
+        .name("cuda-stream-pool-drop".into())
+        .spawn(move || {
+            if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                f()
+            }
+        });
+    if spawned.is_err() {
+        if let Some(f) = job.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            std::mem::forget(f);
+        }
+    }
+}
+
+/// Wakes an async task, containing a panicking waker. On a host-function thread the waker is
+/// not run there (a waker may poll its future inline, and that code may call the driver): it is
+/// handed to one waker thread of the process ("cuda-stream-pool-wake", started on first need,
+/// idle otherwise), which runs it.
+pub(crate) fn wake_task(w: std::task::Waker) {
+    fn run(w: std::task::Waker) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake()));
+    }
+    if !on_host_fn_thread() {
+        return run(w);
+    }
+    static WAKER_THREAD: std::sync::OnceLock<Option<std::sync::mpsc::Sender<std::task::Waker>>> =
+        std::sync::OnceLock::new();
+    let tx = WAKER_THREAD.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<std::task::Waker>();
+        std::thread::Builder::new()
+            .name("cuda-stream-pool-wake".into())
+            .spawn(move || {
+                for w in rx {
+                    run(w);
+                }
+            })
+            .ok()
+            .map(|_| tx)
+    });
+    match tx {
+        Some(tx) => {
+            if let Err(e) = tx.send(w) {
+                // The thread is gone (it never exits while the sender lives): wake from a
+                // thread of its own.
+                let w = e.0;
+                let _ = std::thread::Builder::new()
+                    .name("cuda-stream-pool-wake".into())
+                    .spawn(move || run(w));
+            }
+        }
+        None => {
+            // No thread could be started: a thread of its own, else (resources exhausted) the
+            // task is woken here, which is only wrong if its waker polls inline.
+            let cell = Arc::new(Mutex::new(Some(w)));
+            let c2 = cell.clone();
+            let spawned = std::thread::Builder::new()
+                .name("cuda-stream-pool-wake".into())
+                .spawn(move || {
+                    if let Some(w) = c2.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        run(w)
+                    }
+                });
+            if spawned.is_err() {
+                if let Some(w) = cell.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    run(w)
+                }
+            }
+        }
+    }
+}
