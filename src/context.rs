@@ -484,6 +484,9 @@ impl Context {
                 return Err(e);
             }
         };
+        // Every call of this state goes through a guard that refuses calls on the crate's
+        // host-function threads.
+        let driver: Arc<dyn Driver> = Arc::new(driver::HostFnGuard { inner: driver });
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),

@@ -279,3 +279,31 @@ fn attack_05_priority_range_resolve_panics() {
         "PriorityRange::resolve(Normal) panicked on a reversed range"
     );
 }
+
+/// Found by the second review: crate objects moved into a host function (an `Owner` is `Send`)
+/// reached the driver from the host-function thread (the real driver may refuse or deadlock).
+/// Every driver call of a context now fails there with CUDA_ERROR_NOT_PERMITTED, before the
+/// driver is called.
+#[test]
+fn crate_calls_inside_a_host_function_never_reach_the_driver() {
+    use cuda_stream_pool::driver::SimDriver;
+    let sim = std::sync::Arc::new(SimDriver::new());
+    let ctx = cuda_stream_pool::Context::primary(sim.clone(), 0).unwrap();
+    let held = ctx.owner();
+    held.stream().unwrap(); // holds a stream already: stream() needs no driver call
+    let fresh = ctx.owner();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let c = ctx.clone();
+    s.launch_host_func(move || {
+        let a = fresh.stream().map(|_| ()); // would create or query a stream
+        let b = held.stream().and_then(|s| s.synchronize()); // would wait for the GPU
+        let c2 = c.synchronize();
+        let _ = tx.send((a.is_err(), b.is_err(), c2.is_err()));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(rx.recv().unwrap(), (true, true, true));
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}

@@ -7,6 +7,8 @@
 //! them, the simulation its ids. They carry no ownership; the types above this layer do.
 
 mod cuda;
+mod guard;
+pub(crate) use guard::HostFnGuard;
 pub mod sim;
 
 pub use cuda::CudaDriver;
