@@ -599,6 +599,17 @@ pub struct CudaLib {
         ) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuStreamGetCaptureInfo_v2: Result<
+        unsafe extern "C" fn(
+            hStream: CUstream,
+            captureStatus_out: *mut CUstreamCaptureStatus,
+            id_out: *mut cuuint64_t,
+            graph_out: *mut CUgraph,
+            dependencies_out: *mut *const CUgraphNode,
+            numDependencies_out: *mut usize,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuStreamGetCaptureInfo_v3: Result<
         unsafe extern "C" fn(
             hStream: CUstream,
@@ -788,6 +799,9 @@ impl CudaLib {
         let cuStreamIsCapturing = __library
             .get(b"cuStreamIsCapturing\0")
             .map(|sym| *sym);
+        let cuStreamGetCaptureInfo_v2 = __library
+            .get(b"cuStreamGetCaptureInfo_v2\0")
+            .map(|sym| *sym);
         let cuStreamGetCaptureInfo_v3 = __library
             .get(b"cuStreamGetCaptureInfo_v3\0")
             .map(|sym| *sym);
@@ -859,6 +873,7 @@ impl CudaLib {
             cuStreamBeginCapture_v2,
             cuStreamEndCapture,
             cuStreamIsCapturing,
+            cuStreamGetCaptureInfo_v2,
             cuStreamGetCaptureInfo_v3,
             cuThreadExchangeStreamCaptureMode,
             cuGraphInstantiateWithFlags,
@@ -1283,6 +1298,29 @@ impl CudaLib {
             .cuStreamIsCapturing
             .as_ref()
             .expect("Expected function, got error."))(hStream, captureStatus)
+    }
+    pub unsafe fn cuStreamGetCaptureInfo_v2(
+        &self,
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        numDependencies_out: *mut usize,
+    ) -> CUresult {
+        (self
+            .cuStreamGetCaptureInfo_v2
+            .as_ref()
+            .expect(
+                "Expected function, got error.",
+            ))(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            numDependencies_out,
+        )
     }
     pub unsafe fn cuStreamGetCaptureInfo_v3(
         &self,

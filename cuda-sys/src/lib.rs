@@ -139,6 +139,7 @@ impl std::error::Error for MissingSymbol {}
 pub fn introduced_in(symbol: &str) -> &'static str {
     match symbol {
         "cuStreamGetCaptureInfo_v3" => "12.3",
+        "cuStreamGetCaptureInfo_v2" => "11.3",
         "cuStreamWriteValue64_v2" | "cuStreamWaitValue32_v2" => "11.7",
         "cuGraphInstantiateWithFlags" => "11.4",
         "cuMemAllocAsync"

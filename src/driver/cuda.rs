@@ -612,24 +612,44 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn stream_capture_info(&self, stream: Stream) -> Result<(CaptureStatus, u64)> {
-        let f = sym!(self.cuStreamGetCaptureInfo_v3);
         let mut st = ffi::CUstreamCaptureStatus(0);
         let mut id: ffi::cuuint64_t = 0;
-        // SAFETY: status and id are live locals; every other output is optional and passed null.
-        self.check(
-            unsafe {
-                f(
-                    ptr(stream.0),
-                    &mut st,
-                    &mut id,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuStreamGetCaptureInfo_v3",
-        )?;
+        // CUDA 12.3 and newer: _v3; older drivers (from 11.3): _v2, the same answer for the two
+        // outputs used here.
+        if let Ok(f) = &self.lib.table().cuStreamGetCaptureInfo_v3 {
+            // SAFETY: status and id are live locals; every other output is optional and passed
+            // null.
+            self.check(
+                unsafe {
+                    f(
+                        ptr(stream.0),
+                        &mut st,
+                        &mut id,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                "cuStreamGetCaptureInfo_v3",
+            )?;
+        } else {
+            let f = sym!(self.cuStreamGetCaptureInfo_v2);
+            // SAFETY: as above.
+            self.check(
+                unsafe {
+                    f(
+                        ptr(stream.0),
+                        &mut st,
+                        &mut id,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                "cuStreamGetCaptureInfo_v2",
+            )?;
+        }
         Ok((Self::status(st), id))
     }
 
