@@ -479,6 +479,9 @@ struct Waiter {
     /// the next waiter (each may stand for a stream that came back).
     consumed: u32,
     wake: Wake,
+    /// A stream handed directly to this waiter by a release (idle, already handed over to it):
+    /// taken at its next turn, or given back to the pool if it leaves without it.
+    handed: Option<(Arc<Slot>, u64)>,
 }
 
 impl Waiter {
@@ -519,6 +522,11 @@ pub(crate) struct Gate {
     waits: AtomicU64,
     over_cap: AtomicU64,
     queue: Mutex<Queue>,
+    /// Streams handed to waiters that left without them: still handed over (held), put back
+    /// into the pool (retired) by its next attempt or drain.
+    returned: Mutex<Vec<Arc<Slot>>>,
+    /// `returned.len()`, readable without its lock.
+    returned_len: AtomicUsize,
 }
 
 impl Gate {
@@ -531,6 +539,8 @@ impl Gate {
             waits: AtomicU64::new(0),
             over_cap: AtomicU64::new(0),
             queue: Mutex::new(Queue::default()),
+            returned: Mutex::new(Vec::new()),
+            returned_len: AtomicUsize::new(0),
         }
     }
 
@@ -593,6 +603,7 @@ impl Gate {
             notified: u32::from(first),
             consumed: 0,
             wake,
+            handed: None,
         });
         self.waiting.fetch_add(1, Ordering::SeqCst);
         self.waits.fetch_add(1, Ordering::Relaxed);
@@ -601,6 +612,40 @@ impl Gate {
             id,
             served: false,
         }
+    }
+
+    /// Hands `(slot, gen)` (idle, already handed over) to the first waiter that has none, and
+    /// wakes it; gives it back when no waiter is left. Serves waiters in queue order without
+    /// making them attempt one at a time: each release serves one.
+    fn offer(&self, slot: Arc<Slot>, gen: u64) -> std::result::Result<(), Arc<Slot>> {
+        let wake = {
+            let mut q = self.queue();
+            match q.list.iter_mut().find(|w| w.handed.is_none()) {
+                Some(w) => {
+                    w.handed = Some((slot, gen));
+                    w.waker()
+                }
+                None => return Err(slot),
+            }
+        };
+        wake.wake();
+        Ok(())
+    }
+
+    /// The stream handed to waiter `id`, if any.
+    fn take_handed(&self, id: u64) -> Option<(Arc<Slot>, u64)> {
+        let mut q = self.queue();
+        q.list.iter_mut().find(|w| w.id == id)?.handed.take()
+    }
+
+    /// Streams handed to waiters that left without them.
+    fn take_returned(&self) -> Vec<Arc<Slot>> {
+        if self.returned_len.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        let mut r = self.returned.lock().unwrap_or_else(|p| p.into_inner());
+        self.returned_len.store(0, Ordering::Release);
+        std::mem::take(&mut *r)
     }
 
     /// Whether waiter `id` should attempt now (it is first and was notified; the flag is
@@ -623,26 +668,45 @@ impl Gate {
 
     /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
     fn leave(&self, id: u64, served: bool) {
-        let next = {
+        let mut wakes: SmallVec<[Wake; 2]> = SmallVec::new();
+        let mut handed_to = None;
+        {
             let mut q = self.queue();
             let Some(pos) = q.list.iter().position(|w| w.id == id) else {
                 return;
             };
-            let Some(w) = q.list.remove(pos) else {
+            let Some(mut w) = q.list.remove(pos) else {
                 return;
             };
             self.waiting.fetch_sub(1, Ordering::SeqCst);
+            if let Some((slot, gen)) = w.handed.take() {
+                // Left without the stream handed to it (idle, and unused since): to the next
+                // waiter without one, else back to the pool (and the first waiter notified).
+                match q.list.iter_mut().find(|n| n.handed.is_none()) {
+                    Some(n) => {
+                        n.handed = Some((slot, gen));
+                        handed_to = Some(n.id);
+                        wakes.push(n.waker());
+                    }
+                    None => {
+                        let mut r = self.returned.lock().unwrap_or_else(|p| p.into_inner());
+                        r.push(slot);
+                        self.returned_len.store(r.len(), Ordering::Release);
+                    }
+                }
+            }
             // The first waiter leaves: the next one inherits what it did not use.
             let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
-            if pos != 0 || pass == 0 {
-                return;
+            if pos == 0 && pass > 0 {
+                if let Some(n) = q.list.front_mut() {
+                    n.notified = n.notified.saturating_add(pass);
+                    if handed_to != Some(n.id) {
+                        wakes.push(n.waker());
+                    }
+                }
             }
-            q.list.front_mut().map(|n| {
-                n.notified = n.notified.saturating_add(pass);
-                n.waker()
-            })
-        };
-        if let Some(w) = next {
+        }
+        for w in wakes {
             w.wake();
         }
     }
@@ -747,6 +811,10 @@ impl Pool {
         let ticket = g.join(Wake::Thread(std::thread::current()));
         let me = std::thread::current().id();
         loop {
+            if let Some(found) = g.take_handed(ticket.id) {
+                ticket.served();
+                return Ok(found);
+            }
             let turn = g.turn(
                 ticket.id,
                 &|| Wake::Thread(std::thread::current()),
@@ -789,6 +857,12 @@ impl Pool {
             return Poll::Pending;
         };
         loop {
+            if let Some(found) = g.take_handed(id) {
+                if let Some(t) = ticket.take() {
+                    t.served();
+                }
+                return Poll::Ready(Ok(found));
+            }
             let turn = g.turn(
                 id,
                 &|| Wake::Task(cx.waker().clone()),
@@ -828,6 +902,7 @@ impl Pool {
         force: bool,
     ) -> Result<Option<(Arc<Slot>, u64)>> {
         let home = home_index();
+        self.take_back_returned();
         if self.retired.load(Ordering::Acquire) > 0 {
             let _relaxed = CaptureModeGuard::relaxed(driver)?;
             let mut found = None;
@@ -1014,6 +1089,17 @@ impl Pool {
     /// streams are retired, destroys idle ones. With `trim` false (a host-function thread) it
     /// calls no driver function.
     pub(crate) fn release(&self, driver: &dyn Driver, slot: Arc<Slot>, trim: bool) {
+        // With waiters at the cap, an idle stream goes straight to the first of them (no
+        // attempt, no queue turn: releases serve waiters in parallel). Not on a host-function
+        // thread (no query there).
+        let slot = if trim && self.gate.waiting.load(Ordering::SeqCst) > 0 {
+            match self.hand_to_waiter(driver, slot) {
+                Ok(()) => return,
+                Err(slot) => slot,
+            }
+        } else {
+            slot
+        };
         slot.lock().retire();
         let home = home_index();
         // Counted before it can be found, so that a search never takes an uncounted stream.
@@ -1030,9 +1116,52 @@ impl Pool {
         }
     }
 
+    /// Hands a released stream to the gate's first waiter when its work has completed (a query
+    /// in relaxed mode); gives it back otherwise.
+    fn hand_to_waiter(
+        &self,
+        driver: &dyn Driver,
+        slot: Arc<Slot>,
+    ) -> std::result::Result<(), Arc<Slot>> {
+        let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) else {
+            return Err(slot);
+        };
+        let gen = {
+            let mut st = slot.lock();
+            // The previous owner is gone and its work has completed: a new generation.
+            is_idle(driver, &slot, &st).then(|| st.hand_over())
+        };
+        let Some(gen) = gen else {
+            return Err(slot);
+        };
+        match self.gate.offer(slot.clone(), gen) {
+            Ok(()) => {
+                // Counted as a release by the old owner and an acquisition (a hit) by the new.
+                let home = self.home(home_index());
+                home.releases.fetch_add(1, Ordering::Release);
+                home.hits.fetch_add(1, Ordering::Release);
+                Ok(())
+            }
+            Err(slot) => Err(slot),
+        }
+    }
+
+    /// Puts streams handed to waiters that left without them back into the pool (retired).
+    fn take_back_returned(&self) {
+        for slot in self.gate.take_returned() {
+            slot.lock().retire();
+            self.retired.fetch_add(1, Ordering::AcqRel);
+            let home = home_index();
+            self.shard(home).push(slot);
+            // Handed to a waiter (counted as acquired) that left without it.
+            self.home(home).releases.fetch_add(1, Ordering::Release);
+        }
+    }
+
     /// Destroys every retired stream that is idle, but `keep`; with `wait`, first waits for the
     /// others. Returns how many were destroyed. The caller runs it in relaxed capture mode.
     pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool, keep: usize) -> Result<usize> {
+        self.take_back_returned();
         let mut n = 0;
         let mut first_err = None;
         for i in 0..self.shards.len() {
@@ -1077,6 +1206,7 @@ impl Pool {
     /// The pool's counters. Queries each retired stream (in relaxed capture mode) to tell idle
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
+        self.take_back_returned();
         // Without relaxed mode a query could invalidate a capture: then nothing is queried, and
         // every retired stream counts as busy.
         let relaxed = CaptureModeGuard::relaxed(driver).ok();

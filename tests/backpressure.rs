@@ -448,3 +448,39 @@ fn reserve_beyond_max_idle_stays() {
     assert_eq!(sim.counters().live_streams, 0);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+/// A release hands its idle stream straight to the first waiter (no attempt, no queue turn);
+/// a waiter that leaves without taking it passes it to the next one, or back to the pool.
+#[test]
+fn a_handed_stream_is_never_lost() {
+    let (sim, ctx) = capped(1);
+    let holder = ctx.owner();
+    let first = holder.stream().unwrap().raw();
+    let mut w = Waiters::new(&ctx, 3);
+    for i in 0..3 {
+        assert!(w.poll(i).is_none());
+    }
+    drop(holder); // idle: handed to waiter 0
+    assert_eq!(w.woken(), [0]);
+    w.cancel(0); // leaves without it: handed to waiter 1
+    assert_eq!(w.woken(), [1]);
+    let o1 = w.poll(1).expect("served from its mailbox");
+    assert_eq!(
+        o1.stream().unwrap().raw(),
+        first,
+        "the same stream, handed on"
+    );
+    drop(o1); // handed to waiter 2, which leaves: back to the pool
+    assert_eq!(w.woken(), [2]);
+    w.cancel(2);
+    let st = ctx.stats();
+    assert_eq!((st.created, st.in_use, st.live), (1, 0, 1), "{st:?}");
+    let again = ctx.owner();
+    assert_eq!(
+        again.stream().unwrap().raw(),
+        first,
+        "taken back from the pool"
+    );
+    drop(again);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
