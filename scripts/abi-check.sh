@@ -45,7 +45,9 @@ legacy="cuStreamGetCaptureInfo_v2"
 : > "$tmp/fns"
 skipped=""
 while read -r f; do
-  if [[ " $legacy " == *" $f "* ]] && ! grep -qE "\b$f\b *\(" "$inc/cuda.h"; then
+  if [[ " $legacy " == *" $f "* ]] &&
+     ! printf '#include <cuda.h>\nvoid *p = (void *)&%s;\n' "$f" |
+       $cc -std=c11 -I "$inc" -x c -c - -o /dev/null 2>/dev/null; then
     skipped="$skipped $f"
   else
     echo "$f" >> "$tmp/fns"

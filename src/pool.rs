@@ -1058,14 +1058,25 @@ impl Pool {
             }
             let mut list = self.shard(i);
             let mut j = 0;
-            while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
+            while j < list.len() {
+                // Claim one stream of the excess first, so that concurrent trims (on other
+                // shards) never bring the count below `keep` together.
                 if self
-                    .destroy_if_idle(driver, &list[j], false)
-                    .unwrap_or(false)
+                    .retired
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                        (r > keep).then(|| r - 1)
+                    })
+                    .is_err()
                 {
+                    return;
+                }
+                if destroy_idle(driver, &list[j], false).unwrap_or(false) {
                     list.remove(j);
+                    self.counters.destroyed.fetch_add(1, Ordering::Release);
+                    self.gate.gone();
                     self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
                 } else {
+                    self.retired.fetch_add(1, Ordering::AcqRel);
                     j += 1;
                 }
             }
