@@ -122,6 +122,16 @@
 //! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
 //!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] keeps the
 //!   buffer's use lock: other threads' uses of that buffer block.
+//! * A stream lent to another crate ([`StreamRef::lend`], cudarc's `Arc<CudaStream>`) stays out
+//!   of the pool while any handle of it lives, even after its owner is gone, and is never
+//!   destroyed then (nor the primary context released at teardown). A capture that the borrower
+//!   begins on it from *another* thread while the owner's thread uses it through the crate races
+//!   with the crate's capture check, as any two threads sharing one CUDA stream do.
+//! * Inside the crate's host functions (and code they run, such as an [`Owner`] moved into one)
+//!   every driver call of a context fails with `CUDA_ERROR_NOT_PERMITTED` instead of reaching the
+//!   driver.
+//! * A host copy whose wait fails keeps its (staging) host memory with the context until the copy
+//!   is known complete; it is leaked if that never happens.
 //!
 //! ## Drivers
 //!
