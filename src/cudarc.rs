@@ -149,6 +149,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 /// stream that is capturing, or when either stream is capturing and they differ (no ordering
 /// is then possible without joining or invalidating a capture); the cudarc traits have no way
 /// to return the error.
+#[must_use = "the use is recorded when the guard is dropped: enqueue the cudarc work while it lives"]
 pub struct CudarcUse<'b, T> {
     inner: BufferUse<'b>,
     ptr: u64,
