@@ -11,6 +11,12 @@ excl=()
 if cargo metadata --no-deps --format-version 1 | grep -q '"name":"cuda-stream-pool-demo"'; then
   excl=(--exclude cuda-stream-pool-demo)
 fi
+# `cargo package` verifies the library against the packaged sys crate through a temporary local
+# registry whose sources cargo unpacks into $CARGO_HOME/registry/src and never refreshes: a copy
+# left by an earlier run of this script would be used instead of the current one. Remove those.
+home=${CARGO_HOME:-$HOME/.cargo}
+rm -rf "$home"/registry/src/*/cuda-stream-pool-sys-0.1.0 "$home"/registry/src/*/cuda-stream-pool-0.1.0 \
+  "$home"/registry/cache/*/cuda-stream-pool-sys-0.1.0.crate "$home"/registry/cache/*/cuda-stream-pool-0.1.0.crate
 cargo package --workspace "${excl[@]}" --allow-dirty
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
