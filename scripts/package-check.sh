@@ -17,6 +17,9 @@ fi
 home=${CARGO_HOME:-$HOME/.cargo}
 rm -rf "$home"/registry/src/*/cuda-stream-pool-sys-0.1.0 "$home"/registry/src/*/cuda-stream-pool-0.1.0 \
   "$home"/registry/cache/*/cuda-stream-pool-sys-0.1.0.crate "$home"/registry/cache/*/cuda-stream-pool-0.1.0.crate
+# Likewise the build of that verification: registry crates are never rebuilt when their source
+# changes (cargo treats published versions as immutable).
+rm -rf target/package
 cargo package --workspace "${excl[@]}" --allow-dirty
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
