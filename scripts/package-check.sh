@@ -18,13 +18,14 @@ home=${CARGO_HOME:-$HOME/.cargo}
 rm -rf "$home"/registry/src/*/cuda-stream-pool-sys-0.1.0 "$home"/registry/src/*/cuda-stream-pool-0.1.0 \
   "$home"/registry/cache/*/cuda-stream-pool-sys-0.1.0.crate "$home"/registry/cache/*/cuda-stream-pool-0.1.0.crate
 # Likewise the build of that verification: registry crates are never rebuilt when their source
-# changes (cargo treats published versions as immutable).
-rm -rf target/package
-cargo package --workspace "${excl[@]}" --allow-dirty
+# changes (cargo treats published versions as immutable), so it runs in a target directory of
+# its own, emptied first.
+rm -rf target/package target/package-verify
+CARGO_TARGET_DIR="$top/target/package-verify" cargo package --workspace "${excl[@]}" --allow-dirty
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-tar xzf target/package/cuda-stream-pool-sys-0.1.0.crate -C "$tmp"
-tar xzf target/package/cuda-stream-pool-0.1.0.crate -C "$tmp"
+tar xzf target/package-verify/package/cuda-stream-pool-sys-0.1.0.crate -C "$tmp"
+tar xzf target/package-verify/package/cuda-stream-pool-0.1.0.crate -C "$tmp"
 cat >> "$tmp/cuda-stream-pool-0.1.0/Cargo.toml" <<'TOML'
 
 [patch.crates-io]
@@ -36,5 +37,5 @@ export CARGO_TARGET_DIR="$top/target/package-check"
 # The kernel-launching tests need the `kernels` feature, which the repository enables for them
 # through a self dev-dependency that packaging strips.
 (cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels)
-cargo publish --workspace "${excl[@]}" --dry-run --allow-dirty
+CARGO_TARGET_DIR="$top/target/package-verify" cargo publish --workspace "${excl[@]}" --dry-run --allow-dirty
 echo "package-check: OK"
