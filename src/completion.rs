@@ -305,7 +305,13 @@ impl Hub {
     /// context is current, the streams have been drained). Memory that a write may still target
     /// (an entry that has not landed) is leaked instead of freed.
     pub(crate) fn shutdown(&self) {
-        self.stop.store(true, Ordering::Release);
+        {
+            // Under the state lock: the poller checks `stop` under it before it waits, so the
+            // notification below cannot fall between its check and its wait (found by the
+            // fuzzer: a lost wake-up hung the teardown).
+            let _st = lock(&self.state);
+            self.stop.store(true, Ordering::Release);
+        }
         self.cv.notify_all();
         if IN_POLLER.try_with(|p| p.get()).unwrap_or(true) {
             // The last context reference was dropped by a waker the poller called: the poller
