@@ -1,6 +1,7 @@
 //! Model-based property test: random operation sequences on the public API over the simulated
 //! driver, with the invariants of `tests/model` checked after every step and at teardown.
-//! `CSP_PROPTEST_CASES` sets the number of cases (default 2,000).
+//! `CSP_PROPTEST_CASES` sets the number of cases (default 2,000), `CSP_PROPTEST_SHRINK_ITERS`
+//! the shrinking budget (default 2,000; 0 reports the first failing case as it was drawn).
 
 mod model;
 
@@ -13,10 +14,17 @@ fn cases() -> u32 {
         .unwrap_or(2_000)
 }
 
+fn shrink_iters() -> u32 {
+    std::env::var("CSP_PROPTEST_SHRINK_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: cases(),
-        max_shrink_iters: 2_000,
+        max_shrink_iters: shrink_iters(),
         failure_persistence: None,
         .. ProptestConfig::default()
     })]

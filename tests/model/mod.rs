@@ -12,15 +12,17 @@
 //! scheduler of `sched.rs`, with the interleaving drawn from the input.
 #![allow(dead_code)]
 
+mod futs;
 mod sched;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{CaptureStatus, Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{
-    CaptureGuard, Context, DeviceBuffer, Error, ErrorCode, Graph, GraphExec, OwnedStream, Owner,
-    Priority, StreamRef, MAX_IDLE,
+    CaptureGuard, Context, ContextOptions, DeviceBuffer, Error, ErrorCode, Graph, GraphExec,
+    OwnedStream, Owner, Priority, StreamRef, MAX_IDLE,
 };
+use futs::Fut;
 use sched::{Hooked, Sched};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -110,6 +112,48 @@ pub enum Op {
         code: u32,
     },
     Trim,
+    /// A completion future of a holder's stream (`StreamRef::completed`), after `ns` of GPU
+    /// work and, with `marker`, a host function: it may resolve only after both.
+    Complete {
+        holder: usize,
+        ns: u64,
+        marker: bool,
+    },
+    /// An asynchronous copy to the host (`DeviceBuffer::to_vec_async`), after `ns` of work and
+    /// an optional marker host function on the holder's stream.
+    CopyAsync {
+        buffer: usize,
+        holder: usize,
+        ns: u64,
+        marker: bool,
+    },
+    /// A new owner of priority `p` waiting for its first stream (`Owner::ready`); with `poll`,
+    /// polled at once.
+    Ready {
+        p: i32,
+        poll: bool,
+    },
+    /// Moves an owner into `Owner::attach` with a small future that calls `Context::stream`,
+    /// (with `wait`) awaits the completion of that stream, and calls it again.
+    Attach {
+        owner: usize,
+        wait: bool,
+    },
+    /// Polls one of the model's futures, with a new counting waker when `fresh`.
+    Poll {
+        fut: usize,
+        fresh: bool,
+    },
+    /// Drops one of the model's futures (pending or resolved).
+    DropFut(usize),
+    /// `Context::reserve(p, n)`.
+    Reserve {
+        p: i32,
+        n: usize,
+    },
+    /// At the cap: another thread blocks in `Owner::stream` for the key of owner `i`, which the
+    /// model then drops; the blocked thread must get through.
+    BlockedAcquire(usize),
     /// Worker threads, each with its own owner, running their steps at the same time,
     /// interleaved at driver-call granularity as `schedule` says.
     Par {
@@ -154,8 +198,14 @@ const CODES: [u32; 5] = [1, 2, 400, 700, 999];
 /// Decodes operations until the bytes run out (at most `max` of them). With `leaks`, the
 /// operations include [`Op::LeakCapture`], which leaks the whole context by design (the fuzzer,
 /// whose leak checker would report that, leaves it out).
-pub fn decode(bytes: &[u8], max: usize, leaks: bool) -> Vec<Op> {
+///
+/// The first byte chooses the context's cap on live streams per key (none, or 1 to 4).
+pub fn decode(bytes: &[u8], max: usize, leaks: bool) -> (Option<usize>, Vec<Op>) {
     let mut u = Unstructured::new(bytes);
+    let cap = match u.int_in_range(0..=9u8) {
+        Ok(c @ 6..=9) => Some(usize::from(c) - 5),
+        _ => None,
+    };
     let mut ops = Vec::new();
     while !u.is_empty() && ops.len() < max {
         let Ok(op) = decode_one(&mut u, leaks) else {
@@ -163,7 +213,7 @@ pub fn decode(bytes: &[u8], max: usize, leaks: bool) -> Vec<Op> {
         };
         ops.push(op);
     }
-    ops
+    (cap, ops)
 }
 
 fn idx(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
@@ -190,7 +240,7 @@ fn decode_wop(u: &mut Unstructured<'_>) -> arbitrary::Result<WOp> {
 }
 
 fn decode_one(u: &mut Unstructured<'_>, leaks: bool) -> arbitrary::Result<Op> {
-    Ok(match u.int_in_range(0..=31u8)? {
+    Ok(match u.int_in_range(0..=41u8)? {
         0 | 1 => Op::NewOwner,
         2 => Op::DropOwner(idx(u)?),
         3 => Op::Work {
@@ -267,6 +317,40 @@ fn decode_one(u: &mut Unstructured<'_>, leaks: bool) -> arbitrary::Result<Op> {
         27 => Op::DropOwnerElsewhere(idx(u)?),
         28 => Op::DropBufferElsewhere(idx(u)?),
         29 if leaks && u.ratio(1u8, 16u8)? => Op::LeakCapture(idx(u)?),
+        32 | 33 => Op::Complete {
+            holder: idx(u)?,
+            ns: u.int_in_range(0..=5_000u64)?,
+            marker: u.arbitrary()?,
+        },
+        34 => Op::CopyAsync {
+            buffer: idx(u)?,
+            holder: idx(u)?,
+            ns: u.int_in_range(0..=5_000u64)?,
+            marker: u.arbitrary()?,
+        },
+        35 => Op::Ready {
+            p: u.int_in_range(-5..=0i32)?,
+            poll: u.arbitrary()?,
+        },
+        36 => Op::Attach {
+            owner: idx(u)?,
+            wait: u.arbitrary()?,
+        },
+        37..=39 => Op::Poll {
+            fut: idx(u)?,
+            fresh: u.ratio(1u8, 4u8)?,
+        },
+        40 => Op::DropFut(idx(u)?),
+        41 => {
+            if u.arbitrary()? {
+                Op::Reserve {
+                    p: u.int_in_range(-5..=0i32)?,
+                    n: u.int_in_range(0..=5usize)?,
+                }
+            } else {
+                Op::BlockedAcquire(idx(u)?)
+            }
+        }
         _ => {
             let n = u.int_in_range(2..=3usize)?;
             let mut workers = Vec::with_capacity(n);
@@ -295,6 +379,9 @@ struct Buf {
     /// The model's own record of the last use: (raw stream, the model's hand-over count of that
     /// stream at the time).
     last: (u64, u64),
+    /// The contents the buffer must have (in stream order after its last use), when the model
+    /// knows them: zeroed, then `add_u32` kernels, directly or in graphs.
+    val: Option<Vec<u32>>,
 }
 
 /// A holder of a stream: an owner (shared with the captures of its streams) or an owned stream.
@@ -321,6 +408,9 @@ struct Capture {
     owner: Rc<Owner>,
     /// The raw captured stream (the simulation never reuses handles).
     raw: u64,
+    /// Buffers (device addresses) that captured `add_u32` kernels add 1 to, once per entry, when
+    /// the graph is launched.
+    kernels: Vec<u64>,
 }
 
 impl Capture {
@@ -335,6 +425,7 @@ impl Capture {
             owner_id,
             owner,
             raw,
+            kernels: Vec::new(),
         })
     }
 
@@ -377,6 +468,18 @@ pub struct Model {
     bufs: Vec<Buf>,
     guards: Vec<Capture>,
     execs: Vec<Arc<GraphExec>>,
+    /// For each of `execs`, the buffers its graph's kernels add 1 to (see [`Capture::kernels`]).
+    exec_kernels: Vec<Vec<u64>>,
+    /// The model's futures (completions, host copies, waiting owners, attached owners).
+    futs: Vec<Fut>,
+    /// The context's cap on live streams per key.
+    cap: Option<usize>,
+    /// Join order of `Owner::ready` futures (first poll that returned `Pending`).
+    joins: u64,
+    /// Streams held per owner id at the last `sync_holdings`.
+    nheld: HashMap<u64, usize>,
+    /// Acquisitions by owners that already held a stream (the only ones that may exceed the cap).
+    bypass: u64,
     steps: usize,
     /// Raw streams left captured by leaked guards (kept by the pool, never handed out).
     leaked: Vec<u64>,
@@ -412,6 +515,11 @@ fn refused_in_capture<T: std::fmt::Debug>(r: &cuda_stream_pool::Result<T>, what:
 
 impl Model {
     pub fn new() -> Model {
+        Model::with_cap(None)
+    }
+
+    /// A model whose context caps live streams per key at `cap`.
+    pub fn with_cap(cap: Option<usize>) -> Model {
         let sim = Arc::new(SimDriver::new());
         sim.set_logging(true);
         let drv = Arc::new(Hooked {
@@ -419,7 +527,8 @@ impl Model {
             hook: Sched::default(),
         });
         let d: Arc<dyn Driver> = drv.clone();
-        let ctx = Context::primary(d, 0).expect("context");
+        let opts = ContextOptions::default().max_live_streams_per_key(cap);
+        let ctx = Context::primary_with(d, 0, opts).expect("context");
         let kernels = Kernels::load(&ctx).ok().map(Arc::new);
         Model {
             sim,
@@ -431,6 +540,12 @@ impl Model {
             bufs: Vec::new(),
             guards: Vec::new(),
             execs: Vec::new(),
+            exec_kernels: Vec::new(),
+            futs: Vec::new(),
+            cap,
+            joins: 0,
+            nheld: HashMap::new(),
+            bypass: 0,
             steps: 0,
             leaked: Vec::new(),
             next_owner: 0,
@@ -450,18 +565,61 @@ impl Model {
         v
     }
 
-    /// Records hand-overs: every (owner, stream) pair not seen before bumps the model's count.
-    fn sync_holdings(&mut self) {
-        let mut now = HashSet::new();
+    /// Every (owner id, raw stream) pair held: the model's owners, those only a capture keeps,
+    /// and those attached to futures.
+    fn held_pairs(&self) -> Vec<(u64, u64)> {
+        let mut v = Vec::new();
         for (id, o) in self.all_owners() {
             for (_, s) in o.streams() {
-                now.insert((id, s.raw().0));
+                v.push((id, s.raw().0));
             }
         }
+        self.attached_pairs(&mut v);
+        v
+    }
+
+    /// Records hand-overs: every (owner, stream) pair not seen before bumps the model's count.
+    /// Counts acquisitions by owners that held a stream already.
+    fn sync_holdings(&mut self) {
+        let pairs = self.held_pairs();
+        let now: HashSet<(u64, u64)> = pairs.iter().copied().collect();
         for pair in now.difference(&self.held) {
             *self.gens.entry(pair.1).or_insert(0) += 1;
         }
+        let mut per: HashMap<u64, usize> = HashMap::new();
+        for (id, _) in &pairs {
+            *per.entry(*id).or_default() += 1;
+        }
+        for (id, n) in &per {
+            let before = self.nheld.get(id).copied().unwrap_or(0);
+            self.bypass += n.saturating_sub(before.max(1)) as u64;
+        }
+        self.nheld = per;
         self.held = now;
+    }
+
+    /// Whether owner `o` may take its stream of priority `p` now without waiting at the cap
+    /// (which, on the model's thread, could wait for itself): no cap, or it holds a stream
+    /// already (it never waits then), or the key is below its cap with no waiter queued.
+    fn may_acquire(&self, o: &Owner, p: i32) -> bool {
+        let Some(cap) = self.cap else { return true };
+        if !o.streams().is_empty() {
+            return true;
+        }
+        self.room(p, cap) > 0
+    }
+
+    /// Streams that key `p` may still create without anyone waiting (0 while an `Owner::ready`
+    /// of the model is queued for it).
+    fn room(&self, p: i32, cap: usize) -> usize {
+        if self.queued(p) {
+            return 0;
+        }
+        let live = self
+            .ctx()
+            .stats_for(Priority::Value(p))
+            .map_or(u64::MAX, |s| s.live);
+        (cap as u64).saturating_sub(live) as usize
     }
 
     fn gen_of(&self, raw: u64) -> u64 {
@@ -476,6 +634,10 @@ impl Model {
         }
         let i = i % n;
         Some(if i < self.owners.len() {
+            let o = &self.owners[i].1;
+            if !self.may_acquire(o, o.priority()) {
+                return None;
+            }
             Holder::Owner(self.owners[i].0, self.owners[i].1.clone())
         } else {
             Holder::Owned(self.owned[i - self.owners.len()].clone())
@@ -586,7 +748,7 @@ impl Model {
                 }
             }
             &Op::Work { owner, ns } => {
-                if let Some(i) = pick(&self.owners, owner) {
+                if let Some(i) = self.pick_owner(owner) {
                     let o = self.owners[i].1.clone();
                     let before = o.streams().len();
                     if let Ok(s) = o.stream() {
@@ -627,7 +789,13 @@ impl Model {
                 }
             }
             &Op::Scoped { owner, p, ns } => {
-                if let Some(i) = pick(&self.owners, owner) {
+                let range = self.ctx().priority_range();
+                let ok = |o: &Owner| {
+                    range
+                        .resolve(prio(p))
+                        .map_or(true, |v| self.may_acquire(o, v))
+                };
+                if let Some(i) = pick(&self.owners, owner).filter(|&i| ok(&self.owners[i].1)) {
                     let o = self.owners[i].1.clone();
                     let before = o.priority();
                     let sim = self.sim.clone();
@@ -666,9 +834,11 @@ impl Model {
                         } else if let Ok(b) = DeviceBuffer::<u32>::zeroed(&s, len) {
                             if self.bufs.len() < 64 {
                                 let last = (raw, self.gen_of(raw));
+                                let val = Some(vec![0; b.len()]);
                                 self.bufs.push(Buf {
                                     b: Arc::new(b),
                                     last,
+                                    val,
                                 });
                             }
                         }
@@ -676,7 +846,7 @@ impl Model {
                 }
             }
             &Op::UseOn { buffer, owner } => {
-                if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), pick(&self.owners, owner)) {
+                if let (Some(j), Some(i)) = (pick(&self.bufs, buffer), self.pick_owner(owner)) {
                     let o = self.owners[i].1.clone();
                     if let Ok(s) = o.stream() {
                         self.sync_holdings();
@@ -723,8 +893,24 @@ impl Model {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
-                        if k.add_u32(&s, &b, 1).is_ok() {
-                            self.used(j, s.raw().0);
+                        let raw = s.raw().0;
+                        let r = k.add_u32(&s, &b, 1);
+                        let ptr = b.as_raw().0;
+                        if let Some(c) = self.guards.iter_mut().find(|c| c.raw == raw) {
+                            // Captured: runs when the graph is launched.
+                            if r.is_ok() {
+                                c.kernels.push(ptr);
+                            }
+                        } else if r.is_ok() {
+                            if let Some(v) = self.bufs[j].val.as_mut() {
+                                v.iter_mut().for_each(|x| *x = x.wrapping_add(1));
+                            }
+                        } else {
+                            // Failed somewhere: launched or not.
+                            self.bufs[j].val = None;
+                        }
+                        if r.is_ok() {
+                            self.used(j, raw);
                         }
                     }
                 }
@@ -737,7 +923,10 @@ impl Model {
                         let r = b.to_vec(&s);
                         if self.capturing(&s) {
                             refused_in_capture(&r, "a blocking copy");
-                        } else if r.is_ok() {
+                        } else if let Ok(v) = r {
+                            if let Some(want) = &self.bufs[j].val {
+                                assert_eq!(&v, want, "a blocking copy read unexpected contents");
+                            }
                             self.used(j, s.raw().0);
                         }
                     }
@@ -757,8 +946,13 @@ impl Model {
                 }
             }
             &Op::WaitFor { a, b } => {
-                if let (Some(ha), Some(hb)) = (self.holder(a), self.holder(b)) {
-                    if let (Some(sa), Some(sb)) = (ha.stream(), hb.stream()) {
+                // (`b` is picked after `a` took its stream: with a cap, that may have used the
+                // last room of the key.)
+                let ha = self.holder(a);
+                let sa = ha.as_ref().and_then(Holder::stream);
+                let hb = sa.as_ref().and_then(|_| self.holder(b));
+                if let (Some(sa), Some(hb)) = (sa, hb) {
+                    if let Some(sb) = hb.stream() {
                         let r = sa.wait_for(&sb);
                         if self.capturing(&sa) || self.capturing(&sb) {
                             refused_in_capture(&r, "a wait");
@@ -792,7 +986,7 @@ impl Model {
                 }
             }
             &Op::BeginCapture(i) => {
-                if let Some(i) = pick(&self.owners, i) {
+                if let Some(i) = self.pick_owner(i) {
                     let (id, o) = self.owners[i].clone();
                     if let Ok(s) = o.stream() {
                         let capturing = self.capturing(&s);
@@ -823,11 +1017,13 @@ impl Model {
                 if let Some(k) = pick(&self.guards, guard) {
                     let c = self.guards.swap_remove(k);
                     let raw = c.raw;
+                    let kernels = c.kernels.clone();
                     let (graph, o) = c.end();
                     if let Ok(graph) = graph {
                         if keep && self.execs.len() < 8 {
                             if let Ok(exec) = graph.instantiate() {
                                 self.execs.push(Arc::new(exec));
+                                self.exec_kernels.push(kernels);
                             }
                         }
                     }
@@ -843,7 +1039,7 @@ impl Model {
                 }
             }
             &Op::LeakCapture(i) => {
-                if let Some(i) = pick(&self.owners, i) {
+                if let Some(i) = self.pick_owner(i) {
                     let (id, o) = self.owners.swap_remove(i);
                     match Rc::try_unwrap(o) {
                         Ok(o) => {
@@ -868,6 +1064,17 @@ impl Model {
                             refused_in_capture(&r, "a graph launch");
                         }
                         drop(s);
+                        // Its kernels ran (or, after an error, may have).
+                        for &ptr in &self.exec_kernels[e] {
+                            for b in self.bufs.iter_mut().filter(|b| b.b.as_raw().0 == ptr) {
+                                match (&r, b.val.as_mut()) {
+                                    (Ok(()), Some(v)) => {
+                                        v.iter_mut().for_each(|x| *x = x.wrapping_add(1))
+                                    }
+                                    _ => b.val = None,
+                                }
+                            }
+                        }
                         // A launch is a use of every buffer the graph captured.
                         self.resync_last();
                     }
@@ -876,13 +1083,35 @@ impl Model {
             &Op::DropExec(e) => {
                 if let Some(e) = pick(&self.execs, e) {
                     drop(self.execs.swap_remove(e));
+                    self.exec_kernels.swap_remove(e);
                 }
             }
             &Op::Fault { nth, code } => self.sim.fail_nth_call(nth, ErrorCode(code)),
             Op::Trim => {
                 let _ = self.ctx().trim();
             }
-            Op::Par { workers, schedule } => self.par(workers, schedule),
+            Op::Par { workers, schedule } => {
+                if self.par_fits(workers) {
+                    self.par(workers, schedule)
+                }
+            }
+            &Op::Complete { holder, ns, marker } => self.complete(holder, ns, marker),
+            &Op::CopyAsync {
+                buffer,
+                holder,
+                ns,
+                marker,
+            } => self.copy_async(buffer, holder, ns, marker),
+            &Op::Ready { p, poll } => self.ready(p, poll),
+            &Op::Attach { owner, wait } => self.attach(owner, wait),
+            &Op::Poll { fut, fresh } => self.poll(fut, fresh),
+            &Op::DropFut(i) => {
+                if let Some(i) = pick(&self.futs, i) {
+                    drop(self.futs.remove(i));
+                }
+            }
+            &Op::Reserve { p, n } => self.reserve(p, n),
+            &Op::BlockedAcquire(i) => self.blocked_acquire(i),
         }
         self.sync_holdings();
         self.check(acquired);
@@ -914,6 +1143,15 @@ impl Model {
             for j in gone.into_iter().rev() {
                 self.bufs.remove(j);
             }
+        }
+        // Kernels and graph launches of the workers run in the schedule's order: the model
+        // forgets the contents of every buffer.
+        if workers
+            .iter()
+            .flatten()
+            .any(|w| matches!(w, WOp::Kernel { .. } | WOp::LaunchExec { .. }))
+        {
+            self.bufs.iter_mut().for_each(|b| b.val = None);
         }
         self.drv.hook.begin(workers.len());
         let handles: Vec<_> = workers
@@ -951,11 +1189,16 @@ impl Model {
                         if self.bufs.len() < 64 {
                             let raw = b.last_use().unwrap().0 .0;
                             let last = (raw, self.gen_of(raw));
-                            self.bufs.push(Buf { b, last });
+                            let val = Some(vec![0; b.len()]);
+                            self.bufs.push(Buf { b, last, val });
                         }
                     }
-                    if self.execs.len() < 8 {
-                        self.execs.extend(out.new_execs);
+                    for e in out.new_execs {
+                        if self.execs.len() < 8 {
+                            // Worker captures hold accesses only, no kernels.
+                            self.execs.push(e);
+                            self.exec_kernels.push(Vec::new());
+                        }
                     }
                 }
                 Err(p) => std::panic::resume_unwind(p),
@@ -982,16 +1225,11 @@ impl Model {
 
     /// The invariants that hold after every step.
     pub fn check(&self, after_search: bool) {
-        // No two live owners share a stream.
+        // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
-        for (_, o) in self.all_owners() {
-            for (_, s) in o.streams() {
-                assert!(
-                    seen.insert(s.raw()),
-                    "two owners share stream {:?}",
-                    s.raw()
-                );
-            }
+        for (_, raw) in self.held_pairs() {
+            let s = cuda_stream_pool::driver::Stream(raw);
+            assert!(seen.insert(s), "two owners share stream {s:?}");
         }
         for raw in &self.leaked {
             let s = cuda_stream_pool::driver::Stream(*raw);
@@ -1029,13 +1267,56 @@ impl Model {
             "{live} streams live, expected {expected} (+ up to {} kept): {st:?}",
             self.ctx().pending()
         );
+        if let Some(cap) = self.cap {
+            // At most `cap` live streams per key, but those created for owners that held a
+            // stream of another key already (counted in `over_cap`, and by the model).
+            let mut over = 0;
+            for p in -5..=0 {
+                let k = self.ctx().stats_for(Priority::Value(p)).expect("in range");
+                let limit = cap as u64 + k.over_cap;
+                assert!(
+                    k.peak_live <= limit,
+                    "key {p}: peak above the cap {cap}: {k:?}"
+                );
+                assert!(k.live <= limit, "key {p}: live above the cap {cap}: {k:?}");
+                over += k.over_cap;
+            }
+            assert!(
+                over <= self.bypass,
+                "{over} streams over the cap, but only {} acquisitions by owners holding a stream",
+                self.bypass
+            );
+        }
+        self.check_futs();
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
+    }
+
+    /// An owner index that may take its stream now (see [`Model::may_acquire`]).
+    fn pick_owner(&self, i: usize) -> Option<usize> {
+        let i = pick(&self.owners, i)?;
+        let o = &self.owners[i].1;
+        self.may_acquire(o, o.priority()).then_some(i)
+    }
+
+    /// With a cap, whether the workers' acquisitions (one stream at normal priority per owner
+    /// they take) fit below it: a worker waiting at the cap would wait for the model's thread,
+    /// which runs the scheduler.
+    fn par_fits(&self, workers: &[Vec<WOp>]) -> bool {
+        let Some(cap) = self.cap else { return true };
+        let need: usize = workers
+            .iter()
+            .map(|w| 1 + w.iter().filter(|s| matches!(s, WOp::NewOwner)).count())
+            .sum();
+        self.room(0, cap) >= need
     }
 
     /// Drops everything; every stream must be destroyed and every byte freed exactly once.
     pub fn teardown(mut self) {
         self.sim.clear_faults();
+        // Pending futures first: dropping them frees nothing early (checked by the simulation:
+        // a write into freed host memory is misuse).
+        self.futs.clear();
         self.guards.clear();
         self.execs.clear();
         self.bufs.clear();
@@ -1056,7 +1337,11 @@ impl Model {
         let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while std::time::Instant::now() < until {
             let c = self.sim.counters();
-            if c.live_streams == 0 && c.live_allocs == 0 && c.live_events == 0 {
+            if c.live_streams == 0
+                && c.live_allocs == 0
+                && c.live_events == 0
+                && c.live_host_allocs == 0
+            {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -1066,6 +1351,7 @@ impl Model {
         assert_eq!(c.live_allocs, 0, "memory leaked: {c:?}");
         assert_eq!(c.live_events, 0, "events leaked: {c:?}");
         assert_eq!(c.live_modules, 0, "modules leaked: {c:?}");
+        assert_eq!(c.live_host_allocs, 0, "host memory leaked: {c:?}");
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
     }
@@ -1175,16 +1461,18 @@ impl Default for Model {
 
 /// Runs a whole input: decode, apply, teardown (without leaked captures: the fuzzer's view).
 pub fn run(bytes: &[u8]) {
-    run_ops(&decode(bytes, 400, false));
+    let (cap, ops) = decode(bytes, 400, false);
+    run_ops(cap, &ops);
 }
 
 /// Runs a whole input with every operation, leaked captures included (the property test's view).
 pub fn run_with_leaks(bytes: &[u8]) {
-    run_ops(&decode(bytes, 400, true));
+    let (cap, ops) = decode(bytes, 400, true);
+    run_ops(cap, &ops);
 }
 
-fn run_ops(ops: &[Op]) {
-    let mut m = Model::new();
+fn run_ops(cap: Option<usize>, ops: &[Op]) {
+    let mut m = Model::with_cap(cap);
     for op in ops {
         m.step(op);
     }

@@ -1,0 +1,550 @@
+//! The model's asynchronous operations and their invariants: completion futures
+//! (`StreamRef::completed`), asynchronous copies to the host (`DeviceBuffer::to_vec_async`),
+//! owners waiting at the cap on live streams (`Owner::ready`), owners attached to futures
+//! (`Owner::attach`), reserves and blocking acquisitions at the cap.
+//!
+//! Every future is polled by the model's thread with a counting waker, at points the input
+//! chooses, and may be dropped at any point. Checked after every step:
+//!
+//! - a completion (or host copy) resolves only after the work it covers: `ns` of simulated GPU
+//!   work enqueued just before it (so not before the manual clock passed its end) and, with a
+//!   marker, a host function enqueued before it (which must have run);
+//! - a completion whose stream has nothing pending is complete, and a future polled `Pending`
+//!   whose work has completed is woken (by the poller thread: bounded real-time wait);
+//! - a host copy resolves with the contents the model expects;
+//! - `Owner::ready` futures of one key are served first come, first served (in the order their
+//!   first `Pending` poll queued them), and the first of them is woken whenever its key could
+//!   serve it (a stream came back, or the key is below its cap);
+//! - an attached future sees its owner's stream through `Context::stream`.
+//!
+//! At teardown, the simulation's counters (host-mapped memory included) must be back to zero.
+
+use super::*;
+use cuda_stream_pool::{Attached, Completion, HostCopy, OwnerReady};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context as TaskCx, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+/// How long a wake-up may take in real time (the completion poller and the simulation's
+/// host-function thread run on threads of their own).
+const WAKE_LIMIT: Duration = Duration::from_secs(2);
+/// At most this many futures at once.
+const MAX_FUTS: usize = 16;
+/// Simulated time that completes every piece of work the model enqueues.
+const LONG: u64 = 1_000_000_000;
+
+/// A waker that counts its wake-ups.
+#[derive(Default)]
+pub(super) struct Count(AtomicUsize);
+
+impl Wake for Count {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// What a completion must come after.
+pub(super) struct Cover {
+    /// The stream it was made on.
+    raw: u64,
+    /// The simulated time before which the covered work cannot have ended.
+    not_before: u64,
+    /// Set by a host function enqueued before the completion.
+    marker: Option<Arc<AtomicBool>>,
+}
+
+impl Cover {
+    fn check(&self, sim: &SimDriver, what: &str) {
+        let now = sim.now();
+        assert!(
+            now >= self.not_before,
+            "{what} resolved at {now} ns, before the work it covers could end ({} ns)",
+            self.not_before
+        );
+        if let Some(m) = &self.marker {
+            assert!(
+                m.load(Ordering::Acquire),
+                "{what} resolved before a host function enqueued earlier ran"
+            );
+        }
+    }
+}
+
+/// The future of an attached owner: what `Context::stream` returned before and after awaiting.
+type AttachFut = Pin<Box<dyn Future<Output = (Option<u64>, Option<u64>)>>>;
+
+pub(super) enum Kind {
+    Done {
+        f: Completion,
+        cover: Cover,
+    },
+    Copy {
+        f: HostCopy<u32>,
+        cover: Cover,
+        /// The buffer's contents when the copy was enqueued, if the model knew them.
+        expect: Option<Vec<u32>>,
+        len: usize,
+    },
+    Ready {
+        f: OwnerReady,
+        /// The priority the owner waits for.
+        key: i32,
+        /// Its place in the model's order of queued waiters (set by its first `Pending`).
+        joined: Option<u64>,
+    },
+    Attach {
+        f: Attached<AttachFut>,
+        /// The owner's model id.
+        id: u64,
+    },
+}
+
+/// One of the model's futures.
+pub(super) struct Fut {
+    kind: Kind,
+    wakes: Arc<Count>,
+    waker: Waker,
+    /// The wake count when its last poll returned `Pending`.
+    pending_at: Option<usize>,
+}
+
+impl Fut {
+    fn new(kind: Kind) -> Fut {
+        let wakes = Arc::new(Count::default());
+        Fut {
+            kind,
+            waker: Waker::from(wakes.clone()),
+            wakes,
+            pending_at: None,
+        }
+    }
+
+    fn woken(&self) -> usize {
+        self.wakes.0.load(Ordering::SeqCst)
+    }
+
+    fn what(&self) -> &'static str {
+        match self.kind {
+            Kind::Done { .. } => "a completion",
+            Kind::Copy { .. } => "a host copy",
+            Kind::Ready { .. } => "an owner waiting at the cap",
+            Kind::Attach { .. } => "an attached future",
+        }
+    }
+}
+
+impl Model {
+    /// The streams of owners attached to futures.
+    pub(super) fn attached_pairs(&self, v: &mut Vec<(u64, u64)>) {
+        for f in &self.futs {
+            if let Kind::Attach { f, id } = &f.kind {
+                if let Some(o) = f.owner() {
+                    for (_, s) in o.streams() {
+                        v.push((*id, s.raw().0));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether an `Owner::ready` of the model is queued for key `p`.
+    pub(super) fn queued(&self, p: i32) -> bool {
+        self.first_waiter(p).is_some()
+    }
+
+    /// The queue position of the first queued `Owner::ready` of key `p`.
+    fn first_waiter(&self, p: i32) -> Option<u64> {
+        self.futs
+            .iter()
+            .filter_map(|f| match f.kind {
+                Kind::Ready {
+                    key,
+                    joined: Some(j),
+                    ..
+                } if key == p => Some(j),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Whether key `p` could serve its first waiter now: below its cap, or an idle retired
+    /// stream.
+    fn servable(&self, p: i32) -> bool {
+        let Some(cap) = self.cap else { return true };
+        let st = self
+            .ctx()
+            .stats_for(Priority::Value(p))
+            .expect("a key in range");
+        st.live < cap as u64 || st.idle > 0
+    }
+
+    /// Enqueues what a completion on `s` must come after: a marker host function and `ns` of
+    /// work.
+    fn cover(&self, s: &StreamRef, ns: u64, marker: bool) -> Cover {
+        let marker = if marker {
+            let m = Arc::new(AtomicBool::new(false));
+            let set = m.clone();
+            s.launch_host_func(move || set.store(true, Ordering::Release))
+                .ok()
+                .map(|_| m)
+        } else {
+            None
+        };
+        let t0 = self.sim.now();
+        let not_before = if ns > 0 && self.sim.enqueue_work(s.raw(), ns).is_ok() {
+            t0.saturating_add(ns)
+        } else {
+            t0
+        };
+        Cover {
+            raw: s.raw().0,
+            not_before,
+            marker,
+        }
+    }
+
+    pub(super) fn complete(&mut self, holder: usize, ns: u64, marker: bool) {
+        if self.futs.len() >= MAX_FUTS {
+            return;
+        }
+        let Some(h) = self.holder(holder) else { return };
+        let Some(s) = h.stream() else { return };
+        if self.capturing(&s) {
+            refused_in_capture(&s.completed(), "a completion");
+            return;
+        }
+        let cover = self.cover(&s, ns, marker);
+        if let Ok(f) = s.completed() {
+            self.futs.push(Fut::new(Kind::Done { f, cover }));
+        }
+    }
+
+    pub(super) fn copy_async(&mut self, buffer: usize, holder: usize, ns: u64, marker: bool) {
+        if self.futs.len() >= MAX_FUTS {
+            return;
+        }
+        let (Some(j), Some(h)) = (pick(&self.bufs, buffer), self.holder(holder)) else {
+            return;
+        };
+        let Some(s) = h.stream() else { return };
+        self.sync_holdings();
+        let b = self.bufs[j].b.clone();
+        if self.capturing(&s) {
+            refused_in_capture(&b.to_vec_async(&s), "an asynchronous copy");
+            return;
+        }
+        let cover = self.cover(&s, ns, marker);
+        let raw = s.raw().0;
+        match b.to_vec_async(&s) {
+            Ok(f) => {
+                let expect = self.bufs[j].val.clone();
+                self.used(j, raw);
+                let len = b.len();
+                self.futs.push(Fut::new(Kind::Copy {
+                    f,
+                    cover,
+                    expect,
+                    len,
+                }));
+            }
+            Err(_) => {
+                // The use may or may not have been recorded.
+                drop(s);
+                self.resync_last();
+            }
+        }
+    }
+
+    pub(super) fn ready(&mut self, p: i32, poll: bool) {
+        if self.futs.len() >= MAX_FUTS {
+            return;
+        }
+        let o = self.ctx().owner();
+        let _ = o.set_priority(Priority::Value(p));
+        let key = o.priority();
+        self.futs.push(Fut::new(Kind::Ready {
+            f: o.ready(),
+            key,
+            joined: None,
+        }));
+        if poll {
+            self.poll(self.futs.len() - 1, false);
+        }
+    }
+
+    pub(super) fn attach(&mut self, i: usize, wait: bool) {
+        if self.futs.len() >= MAX_FUTS {
+            return;
+        }
+        // Its first poll takes its stream: only where that cannot wait at the cap.
+        let Some(i) = self.pick_owner(i) else { return };
+        let (id, o) = self.owners.swap_remove(i);
+        let o = match Rc::try_unwrap(o) {
+            Ok(o) => o,
+            Err(o) => {
+                // A capture shares it.
+                self.owners.push((id, o));
+                return;
+            }
+        };
+        let c = self.ctx().clone();
+        let body: AttachFut = Box::pin(async move {
+            // Library code deep inside a task: the current owner's stream.
+            let first = c.stream().map(|s| s.raw().0).ok();
+            let done = if wait {
+                c.stream().ok().and_then(|s| s.completed().ok())
+            } else {
+                None
+            };
+            if let Some(d) = done {
+                let _ = d.await;
+            }
+            let second = c.stream().map(|s| s.raw().0).ok();
+            (first, second)
+        });
+        self.futs.push(Fut::new(Kind::Attach {
+            f: o.attach(body),
+            id,
+        }));
+        self.poll(self.futs.len() - 1, false);
+    }
+
+    /// Polls future `i`; a resolved one is checked and removed (a resolved owner joins the
+    /// model's owners).
+    pub(super) fn poll(&mut self, i: usize, fresh: bool) {
+        let Some(i) = pick(&self.futs, i) else { return };
+        let mut f = self.futs.remove(i);
+        if fresh {
+            f.wakes = Arc::new(Count::default());
+            f.waker = Waker::from(f.wakes.clone());
+            f.pending_at = None;
+        }
+        let waker = f.waker.clone();
+        let mut cx = TaskCx::from_waker(&waker);
+        let pending = match &mut f.kind {
+            Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
+                Poll::Pending => true,
+                Poll::Ready(r) => {
+                    assert!(r.is_ok(), "a completion failed: {r:?}");
+                    cover.check(&self.sim, "a completion");
+                    assert!(c.is_complete(), "a resolved completion is not complete");
+                    false
+                }
+            },
+            Kind::Copy {
+                f: c,
+                cover,
+                expect,
+                len,
+            } => match Pin::new(&mut *c).poll(&mut cx) {
+                Poll::Pending => true,
+                Poll::Ready(r) => {
+                    let v = r.expect("a host copy failed");
+                    cover.check(&self.sim, "a host copy");
+                    assert_eq!(v.len(), *len, "a host copy's length");
+                    if let Some(want) = expect {
+                        assert_eq!(&v, want, "a host copy resolved with unexpected contents");
+                    }
+                    false
+                }
+            },
+            Kind::Ready { f: r, key, joined } => match Pin::new(&mut *r).poll(&mut cx) {
+                Poll::Pending => {
+                    if joined.is_none() {
+                        *joined = Some(self.joins);
+                        self.joins += 1;
+                    }
+                    true
+                }
+                Poll::Ready(r) => {
+                    let (key, joined) = (*key, *joined);
+                    // First come, first served: no waiter of the key queued before it is
+                    // still waiting (one that never queued is served only with nobody queued).
+                    if let Some(first) = self.first_waiter(key) {
+                        assert!(
+                            joined.is_some_and(|j| j < first),
+                            "an owner waiting for key {key} (queued {joined:?}) was served \
+                             before the waiter queued {first}"
+                        );
+                    }
+                    if let Ok(o) = r {
+                        {
+                            let s = o.streams();
+                            let mine = s.iter().find(|(q, _)| *q == key);
+                            let (_, s) = mine.expect("a ready owner holds its stream");
+                            self.check_fresh(s);
+                        }
+                        if self.owners.len() < 48 {
+                            self.owners.push((self.next_owner, Rc::new(o)));
+                            self.next_owner += 1;
+                        }
+                    }
+                    false
+                }
+            },
+            Kind::Attach { f: a, .. } => match Pin::new(&mut *a).poll(&mut cx) {
+                Poll::Pending => true,
+                Poll::Ready((first, second)) => {
+                    let o = a.owner().expect("the owner is back after the poll");
+                    let mine = o
+                        .streams()
+                        .into_iter()
+                        .find(|(q, _)| *q == o.priority())
+                        .map(|(_, s)| s.raw().0);
+                    for seen in [first, second].into_iter().flatten() {
+                        assert_eq!(
+                            Some(seen),
+                            mine,
+                            "Context::stream inside an attached future gave another stream \
+                             than the attached owner's"
+                        );
+                    }
+                    false
+                }
+            },
+        };
+        if pending {
+            f.pending_at = Some(f.woken());
+            self.futs.insert(i, f);
+        }
+    }
+
+    pub(super) fn reserve(&mut self, p: i32, n: usize) {
+        let r = self.ctx().reserve(Priority::Value(p), n);
+        if let Some(cap) = self.cap {
+            if n > cap {
+                assert!(r.is_err(), "reserved {n} streams above the cap of {cap}");
+            }
+        }
+        if r.is_ok() {
+            let st = self.ctx().stats_for(Priority::Value(p)).expect("in range");
+            assert!(
+                st.live >= n as u64,
+                "reserve({n}) returned with {} live: {st:?}",
+                st.live
+            );
+        }
+    }
+
+    /// Another thread acquires a stream of owner `i`'s key while the model drops owner `i` (and
+    /// lets simulated time pass): it must get through, with a stream nobody else holds.
+    pub(super) fn blocked_acquire(&mut self, i: usize) {
+        if self.cap.is_none() {
+            return;
+        }
+        let Some(i) = pick(&self.owners, i) else {
+            return;
+        };
+        let key = self.owners[i].1.priority();
+        // Nobody queued before the thread (the model's waiters are polled by this thread), and
+        // the owner gives a stream of the key back.
+        let holds = self.owners[i].1.streams().iter().any(|(q, _)| *q == key);
+        if self.queued(key) || !holds {
+            return;
+        }
+        let (id, o) = self.owners.swap_remove(i);
+        let o = match Rc::try_unwrap(o) {
+            Ok(o) => o,
+            Err(o) => {
+                self.owners.push((id, o));
+                return;
+            }
+        };
+        let back = o
+            .streams()
+            .into_iter()
+            .find(|(q, _)| *q == key)
+            .map(|(_, s)| s.raw())
+            .expect("checked above");
+        let ctx = self.ctx().clone();
+        let t = std::thread::spawn(move || {
+            let mine = ctx.owner();
+            mine.set_priority(Priority::Value(key))?;
+            let raw = mine.stream()?.raw().0;
+            Ok::<u64, Error>(raw)
+        });
+        drop(o);
+        let until = Instant::now() + WAKE_LIMIT;
+        while !t.is_finished() {
+            assert!(
+                Instant::now() < until,
+                "an acquisition waiting at the cap of key {key} was not served after a stream \
+                 came back and its work completed"
+            );
+            // Let simulated time pass until the stream given back is idle (its work may wait
+            // for host functions, which run in real time); host functions enqueued meanwhile
+            // start at the simulation's next step.
+            let busy = self.sim.is_busy(back);
+            self.sim.advance(if busy { LONG } else { 0 });
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        if let Ok(raw) = t.join().expect("the acquiring thread panicked") {
+            let held: HashSet<u64> = self.held_pairs().into_iter().map(|p| p.1).collect();
+            assert!(
+                !held.contains(&raw),
+                "a stream held by an owner was handed to another"
+            );
+            *self.gens.entry(raw).or_insert(0) += 1;
+        }
+    }
+
+    /// The futures' invariants (see the module's docs).
+    pub(super) fn check_futs(&self) {
+        for f in &self.futs {
+            if let Kind::Done { f: c, cover } = &f.kind {
+                // (Read in this order: the flag lands while the stream still reports busy.)
+                let busy = self
+                    .sim
+                    .is_busy(cuda_stream_pool::driver::Stream(cover.raw));
+                if c.is_complete() {
+                    cover.check(&self.sim, "a completion");
+                } else {
+                    assert!(
+                        busy,
+                        "a completion is not complete, but its stream has nothing pending"
+                    );
+                }
+            }
+        }
+        for f in &self.futs {
+            let Some(w0) = f.pending_at else { continue };
+            let idle = |raw: u64| !self.sim.is_busy(cuda_stream_pool::driver::Stream(raw));
+            let due = match &f.kind {
+                Kind::Done { cover, .. } | Kind::Copy { cover, .. } => idle(cover.raw),
+                Kind::Attach { f: a, .. } => a
+                    .owner()
+                    .and_then(|o| {
+                        o.streams()
+                            .into_iter()
+                            .find(|(q, _)| *q == o.priority())
+                            .map(|(_, s)| s.raw().0)
+                    })
+                    .is_some_and(idle),
+                Kind::Ready {
+                    key,
+                    joined: Some(j),
+                    ..
+                } => self.first_waiter(*key) == Some(*j) && self.servable(*key),
+                Kind::Ready { joined: None, .. } => false,
+            };
+            if due {
+                let until = Instant::now() + WAKE_LIMIT;
+                while f.woken() <= w0 {
+                    assert!(
+                        Instant::now() < until,
+                        "{} polled Pending was not woken although what it waits for happened",
+                        f.what()
+                    );
+                    std::thread::sleep(Duration::from_micros(100));
+                    self.sim.advance(0);
+                }
+            }
+        }
+    }
+}
