@@ -271,10 +271,10 @@ impl Slot {
 
 /// Counters of one pool or of a whole context ([`crate::Context::stats`]).
 ///
-/// `live`, `in_use`, `created` and `destroyed` come from counters; `idle` and `retired_busy`
-/// from the pool's lists and a query of each retired stream. At a quiescent point (no thread in
-/// the crate) `live == in_use + idle + retired_busy`, which checks the counters against the
-/// lists. Under concurrent use each figure is a momentary reading that never underflows.
+/// `live`, `in_use`, `created`, `destroyed` and `handed` come from counters; `idle` and
+/// `retired_busy` from the pool's lists and a query of each retired stream. At a quiescent point
+/// (no thread in the crate) `live == in_use + idle + retired_busy + handed`, which checks the
+/// counters against the lists. Under concurrent use each figure is a momentary reading that never underflows.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
@@ -283,7 +283,7 @@ impl Slot {
 /// let held = ctx.owner();
 /// held.stream().unwrap();
 /// let st = ctx.stats();
-/// assert_eq!(st.live, st.in_use + st.idle + st.retired_busy);
+/// assert_eq!(st.live, st.in_use + st.idle + st.retired_busy + st.handed);
 /// assert_eq!(st.in_use, 1);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -318,6 +318,9 @@ pub struct PoolStats {
     /// Streams created beyond the cap, for owners that already held a stream of another key
     /// (they never wait: see [`crate::ContextOptions`]).
     pub over_cap: u64,
+    /// Streams that a release handed to a waiting acquisition (at the cap) which has not taken
+    /// it yet.
+    pub handed: u64,
 }
 
 impl std::ops::Add for PoolStats {
@@ -337,6 +340,7 @@ impl std::ops::Add for PoolStats {
             peak_live: self.peak_live + o.peak_live,
             waits: self.waits + o.waits,
             over_cap: self.over_cap + o.over_cap,
+            handed: self.handed + o.handed,
         }
     }
 }
@@ -527,6 +531,8 @@ pub(crate) struct Gate {
     returned: Mutex<Vec<Arc<Slot>>>,
     /// `returned.len()`, readable without its lock.
     returned_len: AtomicUsize,
+    /// Streams in waiters' mailboxes or `returned` (handed over, held by no owner yet).
+    handed: AtomicUsize,
 }
 
 impl Gate {
@@ -541,6 +547,7 @@ impl Gate {
             queue: Mutex::new(Queue::default()),
             returned: Mutex::new(Vec::new()),
             returned_len: AtomicUsize::new(0),
+            handed: AtomicUsize::new(0),
         }
     }
 
@@ -623,6 +630,7 @@ impl Gate {
             match q.list.iter_mut().find(|w| w.handed.is_none()) {
                 Some(w) => {
                     w.handed = Some((slot, gen));
+                    self.handed.fetch_add(1, Ordering::AcqRel);
                     w.waker()
                 }
                 None => return Err(slot),
@@ -635,7 +643,11 @@ impl Gate {
     /// The stream handed to waiter `id`, if any.
     fn take_handed(&self, id: u64) -> Option<(Arc<Slot>, u64)> {
         let mut q = self.queue();
-        q.list.iter_mut().find(|w| w.id == id)?.handed.take()
+        let h = q.list.iter_mut().find(|w| w.id == id)?.handed.take();
+        if h.is_some() {
+            self.handed.fetch_sub(1, Ordering::AcqRel);
+        }
+        h
     }
 
     /// Streams handed to waiters that left without them.
@@ -645,6 +657,7 @@ impl Gate {
         }
         let mut r = self.returned.lock().unwrap_or_else(|p| p.into_inner());
         self.returned_len.store(0, Ordering::Release);
+        self.handed.fetch_sub(r.len(), Ordering::AcqRel);
         std::mem::take(&mut *r)
     }
 
@@ -812,6 +825,7 @@ impl Pool {
         let me = std::thread::current().id();
         loop {
             if let Some(found) = g.take_handed(ticket.id) {
+                self.home(home_index()).hits.fetch_add(1, Ordering::Release);
                 ticket.served();
                 return Ok(found);
             }
@@ -858,6 +872,7 @@ impl Pool {
         };
         loop {
             if let Some(found) = g.take_handed(id) {
+                self.home(home_index()).hits.fetch_add(1, Ordering::Release);
                 if let Some(t) = ticket.take() {
                     t.served();
                 }
@@ -1147,10 +1162,11 @@ impl Pool {
         };
         match self.gate.offer(slot.clone(), gen) {
             Ok(()) => {
-                // Counted as a release by the old owner and an acquisition (a hit) by the new.
-                let home = self.home(home_index());
-                home.releases.fetch_add(1, Ordering::Release);
-                home.hits.fetch_add(1, Ordering::Release);
+                // The old owner's release; the new owner's acquisition (a hit) is counted when
+                // it takes the stream from its mailbox.
+                self.home(home_index())
+                    .releases
+                    .fetch_add(1, Ordering::Release);
                 Ok(())
             }
             Err(slot) => Err(slot),
@@ -1162,10 +1178,7 @@ impl Pool {
         for slot in self.gate.take_returned() {
             slot.lock().retire();
             self.retired.fetch_add(1, Ordering::AcqRel);
-            let home = home_index();
-            self.shard(home).push(slot);
-            // Handed to a waiter (counted as acquired) that left without it.
-            self.home(home).releases.fetch_add(1, Ordering::Release);
+            self.shard(home_index()).push(slot);
         }
     }
 
@@ -1251,6 +1264,7 @@ impl Pool {
             peak_live: self.gate.peak.load(Ordering::Acquire) as u64,
             waits: self.gate.waits.load(Ordering::Relaxed),
             over_cap: self.gate.over_cap.load(Ordering::Relaxed),
+            handed: self.gate.handed.load(Ordering::Acquire) as u64,
         }
     }
 }

@@ -250,7 +250,11 @@ fn stats_add_up(d: &Arc<dyn Driver>) {
         drop(busy);
         drop(held.split_off(3));
         let st = ctx.stats();
-        assert_eq!(st.live, st.in_use + st.idle + st.retired_busy, "{st:?}");
+        assert_eq!(
+            st.live,
+            st.in_use + st.idle + st.retired_busy + st.handed,
+            "{st:?}"
+        );
         assert_eq!(st.live, st.created - st.destroyed);
         assert_eq!((st.in_use, st.idle, st.retired_busy), (3, 2, 1), "{st:?}");
         assert_eq!(st.misses, st.created);

@@ -80,7 +80,11 @@ fn sixteen_threads_keep_the_invariants() {
             h.clear();
         }
         let st = ctx.stats();
-        assert_eq!(st.live, st.in_use + st.idle + st.retired_busy, "{st:?}");
+        assert_eq!(
+            st.live,
+            st.in_use + st.idle + st.retired_busy + st.handed,
+            "{st:?}"
+        );
         assert_eq!(st.in_use, THREADS as u64, "{st:?}");
         assert_eq!(sim.counters().live_streams, st.live + 1, "{st:?}");
         assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());

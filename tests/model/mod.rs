@@ -1246,7 +1246,11 @@ impl Model {
             );
         }
         let st = self.ctx().stats();
-        assert_eq!(st.live, st.in_use + st.idle + st.retired_busy, "{st:?}");
+        assert_eq!(
+            st.live,
+            st.in_use + st.idle + st.retired_busy + st.handed,
+            "{st:?}"
+        );
         assert_eq!(
             st.in_use as usize,
             seen.len(),
