@@ -486,7 +486,10 @@ impl Context {
         };
         // Every call of this state goes through a guard that refuses calls on the crate's
         // host-function threads.
-        let driver: Arc<dyn Driver> = Arc::new(driver::HostFnGuard { inner: driver });
+        let driver: Arc<dyn Driver> = Arc::new(driver::Hooked {
+            inner: driver,
+            hook: driver::HostFnRule,
+        });
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),

@@ -124,14 +124,14 @@ fn attack_02_sum_lock_order_deadlock() {
         std::thread::spawn(move || {
             let oa = ctx.owner();
             let sa = oa.stream().unwrap();
-            pd.arm_here("cuEventRecord", 1); // inside use_on(x), with x's use lock held
+            pd.hook.arm_here("cuEventRecord", 1); // inside use_on(x), with x's use lock held
             let r = k.sum(&sa, &x, &y);
             let _ = tx.send("A");
             r.map_err(|e| e.to_string())
         })
     };
     assert!(
-        pd.wait_paused(TIMEOUT),
+        pd.hook.wait_paused(TIMEOUT),
         "thread A did not reach cuEventRecord"
     );
     let b = {
@@ -151,7 +151,7 @@ fn attack_02_sum_lock_order_deadlock() {
         })
     };
     std::thread::sleep(Duration::from_millis(200)); // B takes y's lock, blocks on x's
-    pd.release();
+    pd.hook.release();
     let first = done_rx.recv_timeout(HANG);
     let second = done_rx.recv_timeout(HANG);
     assert!(

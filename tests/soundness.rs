@@ -157,13 +157,13 @@ fn defect_04_concurrent_use_on_misses_pending_kernel() {
             // cuLaunchKernel, with the use begun but the kernel not yet enqueued.
             let oa = ctx2.owner();
             let sa = oa.stream().unwrap();
-            pd2.arm_here("cuLaunchKernel", 1);
+            pd2.hook.arm_here("cuLaunchKernel", 1);
             k.add_one(&sa, buf2).unwrap();
             sim2.enqueue_work(sa.raw(), 1_000).unwrap(); // keeps A's stream busy afterwards
             sa.raw()
         });
         assert!(
-            pd.wait_paused(TIMEOUT),
+            pd.hook.wait_paused(TIMEOUT),
             "thread A did not reach cuLaunchKernel"
         );
         // Thread B: uses the buffer on its own stream in A's window.
@@ -173,12 +173,12 @@ fn defect_04_concurrent_use_on_misses_pending_kernel() {
             drop(buf2.use_on(&sb).unwrap());
         });
         std::thread::sleep(Duration::from_millis(50)); // let B reach the buffer (not needed for the assertion)
-        pd.release();
+        pd.hook.release();
         let raw = a.join().unwrap();
         b.join().unwrap();
         raw
     });
-    assert!(!pd.timed_out());
+    assert!(!pd.hook.timed_out());
     let calls = sim.calls();
     let launch = calls
         .iter()

@@ -7,8 +7,9 @@
 //! them, the simulation its ids. They carry no ownership; the types above this layer do.
 
 mod cuda;
-mod guard;
-pub(crate) use guard::HostFnGuard;
+mod hooked;
+pub(crate) use hooked::HostFnRule;
+pub use hooked::{Hook, Hooked};
 pub mod sim;
 
 pub use cuda::CudaDriver;

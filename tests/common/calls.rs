@@ -15,9 +15,9 @@ pub fn setup() -> (Arc<SimDriver>, Context) {
 }
 
 pub fn pausing() -> (Arc<PausingDriver>, Arc<SimDriver>, Context) {
-    let pd = PausingDriver::new(Arc::new(SimDriver::new()));
+    let sim = Arc::new(SimDriver::new());
+    let pd = crate::pausing::new_driver(sim.clone());
     let ctx = Context::primary(pd.clone(), 0).expect("primary context");
-    let sim = pd.sim().clone();
     (pd, sim, ctx)
 }
 

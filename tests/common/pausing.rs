@@ -4,29 +4,29 @@
 //!
 //! [`PausingDriver`] implements [`Driver`] by delegating every method to an inner
 //! `Arc<SimDriver>` (whose call log, clock, fault injection and misuse detection stay usable
-//! through [`PausingDriver::sim`]). Before delegating, each method passes its entry-point name
+//! through the `Arc<SimDriver>` it was made from). Before delegating, each method passes its entry-point name
 //! (the same name the simulation logs, e.g. `"cuLaunchKernel"`, `"cuMemcpyHtoDAsync_v2"`,
 //! `"cuStreamGetCaptureInfo_v3"` for both `stream_is_capturing` and `stream_capture_info`) to a
-//! hook. When the wrapper is armed ([`PausingDriver::arm`]) for that name (optionally only for
+//! hook. When the wrapper is armed ([`Pauser::arm`]) for that name (optionally only for
 //! one thread, and for the n-th matching call), the calling thread blocks there, *before* the
-//! call reaches the simulation, until the test calls [`PausingDriver::release`].
+//! call reaches the simulation, until the test calls [`Pauser::release`].
 //!
 //! Typical use:
 //!
 //! ```ignore
-//! let pd = PausingDriver::new(Arc::new(SimDriver::new()));
+//! let pd = new_driver(Arc::new(SimDriver::new()));
 //! let ctx = Context::primary(pd.clone(), 0).unwrap();
 //! std::thread::scope(|sc| {
-//!     let a = sc.spawn(|| { pd.arm_here("cuLaunchKernel", 1); k.add_one(&sa, &buf) });
-//!     assert!(pd.wait_paused(TIMEOUT));       // thread A is now stopped before its launch
+//!     let a = sc.spawn(|| { pd.hook.arm_here("cuLaunchKernel", 1); k.add_one(&sa, &buf) });
+//!     assert!(pd.hook.wait_paused(TIMEOUT));       // thread A is now stopped before its launch
 //!     /* ... the other thread's part of the interleaving ... */
-//!     pd.release();                           // A makes its call
+//!     pd.hook.release();                           // A makes its call
 //!     a.join().unwrap().unwrap();
 //! });
 //! ```
 //!
 //! No test can hang on it: a paused thread continues on its own after [`PAUSE_LIMIT`] (and
-//! [`PausingDriver::timed_out`] then says so), and [`PausingDriver::wait_paused`] takes a timeout.
+//! [`Pauser::timed_out`] then says so), and [`Pauser::wait_paused`] takes a timeout.
 //! One pause at a time: arming again replaces a pending arm.
 #![allow(dead_code)]
 
@@ -76,29 +76,25 @@ pub struct Pauser {
 /// A [`Driver`] delegating to a [`SimDriver`], able to pause a thread before a chosen call.
 pub type PausingDriver = Hooked<Pauser>;
 
-impl Hooked<Pauser> {
-    /// Wraps `inner`; not armed.
-    pub fn new(inner: Arc<SimDriver>) -> Arc<PausingDriver> {
-        Arc::new(Hooked {
-            inner,
-            hook: Pauser {
-                ctl: Mutex::new(Ctl {
-                    phase: Phase::Idle,
-                    timed_out: false,
-                    history: Vec::new(),
-                }),
-                cv: Condvar::new(),
-            },
-        })
-    }
+/// Wraps `inner`; not armed. Control the pauses through the hook: `pd.hook.arm_here(..)`.
+pub fn new_driver(inner: Arc<SimDriver>) -> Arc<PausingDriver> {
+    Arc::new(Hooked {
+        inner,
+        hook: Pauser {
+            ctl: Mutex::new(Ctl {
+                phase: Phase::Idle,
+                timed_out: false,
+                history: Vec::new(),
+            }),
+            cv: Condvar::new(),
+        },
+    })
+}
 
-    fn ctl(&self) -> std::sync::MutexGuard<'_, Ctl> {
-        self.hook.ctl()
-    }
-
+impl Pauser {
     /// Arms the wrapper: the `nth` (1 = the next) call of the entry point `name`, made by
     /// `thread` (or by any thread when `None`), blocks before reaching the simulation until
-    /// [`PausingDriver::release`].
+    /// [`Pauser::release`].
     pub fn arm(&self, name: &'static str, nth: u64, thread: Option<ThreadId>) {
         assert!(nth >= 1, "nth counts from 1");
         let mut c = self.ctl();
@@ -109,7 +105,7 @@ impl Hooked<Pauser> {
         });
     }
 
-    /// [`PausingDriver::arm`] for calls of the calling thread only.
+    /// [`Pauser::arm`] for calls of the calling thread only.
     pub fn arm_here(&self, name: &'static str, nth: u64) {
         self.arm(name, nth, Some(std::thread::current().id()));
     }
@@ -119,7 +115,6 @@ impl Hooked<Pauser> {
     pub fn wait_paused(&self, timeout: Duration) -> bool {
         let c = self.ctl();
         let (c, _) = self
-            .hook
             .cv
             .wait_timeout_while(c, timeout, |c| !matches!(c.phase, Phase::Paused { .. }))
             .unwrap_or_else(|p| p.into_inner());
@@ -142,10 +137,10 @@ impl Hooked<Pauser> {
             Phase::Armed(_) => c.phase = Phase::Idle,
             _ => {}
         }
-        self.hook.cv.notify_all();
+        self.cv.notify_all();
     }
 
-    /// Whether a paused thread gave up waiting for [`PausingDriver::release`].
+    /// Whether a paused thread gave up waiting for [`Pauser::release`].
     pub fn timed_out(&self) -> bool {
         self.ctl().timed_out
     }
@@ -164,7 +159,14 @@ impl Pauser {
 
 impl Hook for Pauser {
     /// Called by every delegating method before the call reaches the simulation.
-    fn before(&self, name: &'static str) {
+    fn before(&self, name: &'static str) -> cuda_stream_pool::Result<()> {
+        self.pause(name);
+        Ok(())
+    }
+}
+
+impl Pauser {
+    fn pause(&self, name: &'static str) {
         let me = std::thread::current().id();
         let mut c = self.ctl();
         let hit = match &mut c.phase {

@@ -69,7 +69,14 @@ impl Default for Sched {
 }
 
 impl Hook for Sched {
-    fn before(&self, call: &'static str) {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        self.gate(call);
+        Ok(())
+    }
+}
+
+impl Sched {
+    fn gate(&self, call: &'static str) {
         let me = std::thread::current().id();
         let mut st = self.lock();
         let Some(i) = st.workers.iter().position(|w| w.0 == Some(me)) else {
