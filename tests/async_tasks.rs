@@ -9,29 +9,14 @@
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{Context, DeviceBuffer, Error, StreamRef};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
-#[derive(Default)]
-struct Counting(AtomicUsize);
-impl Wake for Counting {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-fn waker() -> (Arc<Counting>, Waker) {
-    let c = Arc::new(Counting::default());
-    (c.clone(), Waker::from(c))
-}
-
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>, w: &Waker) -> Poll<F::Output> {
-    f.poll(&mut std::task::Context::from_waker(w))
-}
+#[path = "common/futures.rs"]
+mod futures_util;
+use futures_util::{poll, waker, Counting, Yield};
 
 /// Waits (real time, bounded) until the poller thread has called the waker `n` times.
 fn woken(c: &Counting, n: usize) -> bool {
@@ -313,21 +298,6 @@ fn an_escaped_stream_reference_keeps_its_stream_and_the_task_moves_on() {
     sim.advance(1_000);
     drop(ctx);
     clean(&sim);
-}
-
-/// A future that is pending once (waking itself), then ready.
-struct Yield(bool);
-impl Future for Yield {
-    type Output = ();
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
-        if self.0 {
-            Poll::Ready(())
-        } else {
-            self.0 = true;
-            cx.waker().wake_by_ref();
-            Poll::Pending
-        }
-    }
 }
 
 #[test]

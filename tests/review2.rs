@@ -14,7 +14,6 @@ use cuda_stream_pool::{
     Context, ContextOptions, DeviceBuffer, Error, ErrorCode, Owner, OwnerReady, StreamRef,
 };
 use std::cell::RefCell;
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -33,14 +32,9 @@ fn setup() -> (Arc<SimDriver>, Context) {
     (sim, ctx)
 }
 
-struct Noop;
-impl Wake for Noop {
-    fn wake(self: Arc<Self>) {}
-}
-
-fn poll<F: Future + ?Sized>(f: Pin<&mut F>, w: &Waker) -> Poll<F::Output> {
-    f.poll(&mut std::task::Context::from_waker(w))
-}
+#[path = "common/futures.rs"]
+mod futures_util;
+use futures_util::{poll, Noop, Yield};
 
 /// Finding 1 (high: the GPU writes host memory the caller got back; the heap corruption of the
 /// model test). `copy_to_host` enqueues the DtoH copy and then calls `stream.synchronize()`
@@ -80,21 +74,6 @@ fn copy_to_host_returns_an_error_while_its_dtoh_copy_is_still_pending() {
 thread_local! {
     static KEPT: RefCell<Option<StreamRef<'static>>> = const { RefCell::new(None) };
     static LOAN: RefCell<Option<Arc<Foreign>>> = const { RefCell::new(None) };
-}
-
-/// A future that is pending once, then ready.
-struct Yield(bool);
-impl Future for Yield {
-    type Output = ();
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
-        if self.0 {
-            Poll::Ready(())
-        } else {
-            self.0 = true;
-            cx.waker().wake_by_ref();
-            Poll::Pending
-        }
-    }
 }
 
 /// Finding 2 (high: joins/invalidates another crate's capture). `Owner::after_escape` (the
