@@ -1014,12 +1014,10 @@ impl CtxInner {
         self._keep_alive.as_deref()
     }
 
-    /// Orders later work on stream `after` after the work enqueued so far on `before` (raw
-    /// streams, e.g. another crate's).
+    /// [`CtxInner::order`] for raw streams (e.g. another crate's).
     ///
     /// # Safety
     /// As [`CtxInner::order`].
-    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) unsafe fn order_raw(&self, before: Stream, after: Stream) -> Result<()> {
         let e = self.take_event()?;
         // SAFETY: the event is ours; the caller keeps both streams live and not capturing.
@@ -1138,15 +1136,8 @@ impl CtxInner {
     /// (a record in a capture would pull `after` into it; a capturing `after` waiting on an
     /// outside record invalidates the capture).
     pub(crate) unsafe fn order(&self, before: &Slot, after: &Slot) -> Result<()> {
-        let e = self.take_event()?;
-        // SAFETY: the event is ours; the caller keeps both streams live.
-        let r = unsafe {
-            self.driver
-                .event_record(e, before.raw)
-                .and_then(|_| self.driver.stream_wait_event(after.raw, e))
-        };
-        self.give_event(e);
-        r
+        // SAFETY: the caller's contract.
+        unsafe { self.order_raw(before.raw, after.raw) }
     }
 
     /// `cuMemFreeAsync` with the context made current when the driver asks for it.
