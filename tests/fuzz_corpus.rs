@@ -1,6 +1,8 @@
 //! Replays every committed fuzz input (tests/corpus/pool_model, which the fuzz crate's
 //! fuzz/corpus/pool_model links to, so that the corpus ships with the package) through the same model as the
-//! fuzzer, so that a past crash never returns.
+//! fuzzer, so that a past crash never returns. Every input is replayed and every failing one is
+//! reported (one failure does not hide the others). `CSP_CORPUS_FILTER=PREFIX` replays only the
+//! inputs whose file name starts with PREFIX; `CSP_CORPUS_REPEAT=N` replays each N times.
 
 mod model;
 
@@ -14,17 +16,39 @@ fn replay_fuzz_corpus() {
     } else {
         std::path::PathBuf::from("tests/corpus/pool_model")
     };
-    let mut n = 0;
+    let filter = std::env::var("CSP_CORPUS_FILTER").unwrap_or_default();
+    let repeat: usize = std::env::var("CSP_CORPUS_REPEAT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&filter))
+        })
         .collect();
     entries.sort();
-    for path in entries {
-        let bytes = std::fs::read(&path).unwrap();
-        let r = std::panic::catch_unwind(|| model::run(&bytes));
-        assert!(r.is_ok(), "corpus input {} fails", path.display());
-        n += 1;
+    let mut n = 0;
+    let mut failed = Vec::new();
+    for path in &entries {
+        let bytes = std::fs::read(path).unwrap();
+        for _ in 0..repeat {
+            n += 1;
+            if std::panic::catch_unwind(|| model::run(&bytes)).is_err() {
+                failed.push(path.display().to_string());
+            }
+        }
     }
-    assert!(n >= 20, "expected at least 20 corpus inputs, found {n}");
+    assert!(
+        failed.is_empty(),
+        "{} of {n} corpus replays fail:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    if filter.is_empty() {
+        assert!(n >= 20, "expected at least 20 corpus inputs, found {n}");
+    }
 }

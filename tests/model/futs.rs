@@ -327,6 +327,7 @@ impl Model {
         }
         let waker = f.waker.clone();
         let mut cx = TaskCx::from_waker(&waker);
+        let mut earlier = Vec::new();
         let pending = match &mut f.kind {
             Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
                 Poll::Pending => true,
@@ -364,14 +365,22 @@ impl Model {
                 }
                 Poll::Ready(r) => {
                     let (key, joined) = (*key, *joined);
-                    // First come, first served: no waiter of the key queued before it is
-                    // still waiting (one that never queued is served only with nobody queued).
+                    // First come, first served. One that never queued is served only with
+                    // nobody queued. A queued one may resolve while waiters queued before it
+                    // are still pending only if each of those was served first: the crate
+                    // hands a stream to the first waiter without one, which takes it at its
+                    // next poll; so each of them, polled now, must resolve. (The model once
+                    // took "not polled since" for "not served": under load the host-function
+                    // thread lands several releases before the model's next poll.)
                     if let Some(first) = self.first_waiter(key) {
                         assert!(
-                            joined.is_some_and(|j| j < first),
-                            "an owner waiting for key {key} (queued {joined:?}) was served \
+                            joined.is_some(),
+                            "an owner waiting for key {key} that never queued was served \
                              before the waiter queued {first}"
                         );
+                    }
+                    if let (Some(j), Ok(_)) = (joined, &r) {
+                        earlier = self.waiters_before(key, j);
                     }
                     if let Ok(o) = r {
                         {
@@ -413,6 +422,38 @@ impl Model {
             f.pending_at = Some(f.woken());
             self.futs.insert(i, f);
         }
+        for j in earlier {
+            let Some(k) = self.futs.iter().position(
+                |f| matches!(f.kind, Kind::Ready { joined: Some(q), .. } if q == j),
+            ) else {
+                continue; // resolved meanwhile (by the poll of an earlier one)
+            };
+            let before = self.futs.len();
+            self.poll(k, false);
+            assert!(
+                self.futs.len() < before,
+                "an owner waiting at the cap (queued {j}) is still waiting after one queued \
+                 behind it was served"
+            );
+        }
+    }
+
+    /// The queue positions of the pending `Owner::ready` futures of key `p` queued before `j`.
+    fn waiters_before(&self, p: i32, j: u64) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .futs
+            .iter()
+            .filter_map(|f| match f.kind {
+                Kind::Ready {
+                    key,
+                    joined: Some(q),
+                    ..
+                } if key == p && q < j => Some(q),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     pub(super) fn reserve(&mut self, p: i32, n: usize) {

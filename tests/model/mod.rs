@@ -1476,8 +1476,16 @@ pub fn run_with_leaks(bytes: &[u8]) {
 }
 
 fn run_ops(cap: Option<usize>, ops: &[Op]) {
+    // `CSP_MODEL_TRACE=1` prints the decoded operations (to read a failing input).
+    let trace = std::env::var_os("CSP_MODEL_TRACE").is_some();
+    if trace {
+        eprintln!("cap {cap:?}");
+    }
     let mut m = Model::with_cap(cap);
-    for op in ops {
+    for (k, op) in ops.iter().enumerate() {
+        if trace {
+            eprintln!("step {k}: {op:?}");
+        }
         m.step(op);
     }
     m.teardown();
