@@ -21,11 +21,12 @@ use crate::driver::{host_alloc_flags, DevicePtr, Driver};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceCopy};
 use crate::stream::StreamRef;
+use crate::sync::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -38,7 +39,7 @@ thread_local! {
 const SLAB_SLOTS: usize = 512;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
 }
 
 /// One pending completion: which slot the GPU writes, and the value that means "done".
@@ -225,7 +226,7 @@ impl Hub {
                         return mine;
                     }
                     st.parked = true;
-                    st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st = self.cv.wait(st);
                     st.parked = false;
                 }
                 mine.append(&mut st.incoming);

@@ -9,8 +9,9 @@ use crate::driver::{
 };
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{destroy_idle, Mode, Pool, PoolStats, Slot};
+use crate::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 /// A stream priority, per owner. Lower numbers are higher priorities (CUDA's convention); the
 /// valid numbers are the context's [`PriorityRange`].
@@ -1069,7 +1070,7 @@ impl CtxInner {
     /// Keeps host memory that a copy enqueued on generation `gen` of `slot` may still access
     /// (its wait failed), until that work is known to be complete.
     pub(crate) fn keep_host(&self, slot: &Arc<Slot>, gen: u64, mem: Box<dyn std::any::Any + Send>) {
-        let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list = self.kept_host.lock();
         list.push((slot.clone(), gen, mem));
         self.deferred_len.fetch_add(1, Ordering::AcqRel);
     }
@@ -1101,14 +1102,14 @@ impl CtxInner {
 
     /// Keeps a stream whose loan is still out, for a later flush.
     fn park(&self, pool: Option<Arc<Pool>>, slot: Arc<Slot>) {
-        let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list = self.lent.lock();
         list.push((pool, slot));
         self.deferred_len.fetch_add(1, Ordering::AcqRel);
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
     fn take_event(&self) -> Result<Event> {
-        if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some(e) = self.events.lock().pop() {
             return Ok(e);
         }
         self.bind()?;
@@ -1118,7 +1119,7 @@ impl CtxInner {
 
     /// Returns an event to the cache. A wait already enqueued keeps waiting for the record it saw.
     fn give_event(&self, e: Event) {
-        let mut ev = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ev = self.events.lock();
         if ev.len() < 64 {
             ev.push(e);
         } else {
@@ -1203,7 +1204,7 @@ impl CtxInner {
     pub(crate) unsafe fn free_or_defer(&self, ptr: DevicePtr, slot: &Arc<Slot>, gen: u64) {
         // SAFETY: the caller's contract.
         if !unsafe { self.free_ordered(ptr, slot, gen) } {
-            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.deferred.lock();
             list.push(Deferred {
                 ptr,
                 slot: slot.clone(),
@@ -1227,7 +1228,7 @@ impl CtxInner {
             .ok()
             .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
         if !done && !slot.lock().destroyed {
-            let mut list = self.orphans.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.orphans.lock();
             list.push(slot);
             self.deferred_len.fetch_add(1, Ordering::AcqRel);
         }
@@ -1246,12 +1247,12 @@ impl CtxInner {
     fn flush(&self, wait: bool) {
         // The count changes under the lock of the list it counts, so it never underflows.
         let taken = {
-            let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.deferred.lock();
             self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
             std::mem::take(&mut *list)
         };
         let orphans = {
-            let mut list = self.orphans.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.orphans.lock();
             self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
             std::mem::take(&mut *list)
         };
@@ -1259,7 +1260,7 @@ impl CtxInner {
             // SAFETY: the entry was made by `free_or_defer`, whose contract covers it; it left
             // the list, so no other flush frees it.
             if !unsafe { self.free_ordered(d.ptr, &d.slot, d.gen) } {
-                let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                let mut list = self.deferred.lock();
                 list.push(d);
                 self.deferred_len.fetch_add(1, Ordering::AcqRel);
             }
@@ -1268,7 +1269,7 @@ impl CtxInner {
             self.destroy_or_keep(slot, wait);
         }
         let kept = {
-            let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.kept_host.lock();
             self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
             std::mem::take(&mut *list)
         };
@@ -1276,13 +1277,13 @@ impl CtxInner {
             if self.work_done(&slot, gen, wait) {
                 drop(mem);
             } else {
-                let mut list = self.kept_host.lock().unwrap_or_else(|p| p.into_inner());
+                let mut list = self.kept_host.lock();
                 list.push((slot, gen, mem));
                 self.deferred_len.fetch_add(1, Ordering::AcqRel);
             }
         }
         let lent = {
-            let mut list = self.lent.lock().unwrap_or_else(|p| p.into_inner());
+            let mut list = self.lent.lock();
             self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
             std::mem::take(&mut *list)
         };
@@ -1319,22 +1320,12 @@ impl Drop for CtxInner {
                 disposal: self.disposal.clone(),
                 mem_pool: self.mem_pool,
                 own_pool: self.own_pool,
-                events: Mutex::new(std::mem::take(
-                    self.events.get_mut().unwrap_or_else(|p| p.into_inner()),
-                )),
-                deferred: Mutex::new(std::mem::take(
-                    self.deferred.get_mut().unwrap_or_else(|p| p.into_inner()),
-                )),
+                events: Mutex::new(std::mem::take(self.events.get_mut())),
+                deferred: Mutex::new(std::mem::take(self.deferred.get_mut())),
                 deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
-                orphans: Mutex::new(std::mem::take(
-                    self.orphans.get_mut().unwrap_or_else(|p| p.into_inner()),
-                )),
-                lent: Mutex::new(std::mem::take(
-                    self.lent.get_mut().unwrap_or_else(|p| p.into_inner()),
-                )),
-                kept_host: Mutex::new(std::mem::take(
-                    self.kept_host.get_mut().unwrap_or_else(|p| p.into_inner()),
-                )),
+                orphans: Mutex::new(std::mem::take(self.orphans.get_mut())),
+                lent: Mutex::new(std::mem::take(self.lent.get_mut())),
+                kept_host: Mutex::new(std::mem::take(self.kept_host.get_mut())),
                 _keep_alive: self._keep_alive.take(),
                 torn_down: false,
                 hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
@@ -1362,7 +1353,7 @@ impl Drop for CtxInner {
             h.shutdown();
         }
         // Host memory a copy may still access is leaked (its wait keeps failing).
-        for kept in std::mem::take(self.kept_host.get_mut().unwrap_or_else(|p| p.into_inner())) {
+        for kept in std::mem::take(self.kept_host.get_mut()) {
             std::mem::forget(kept);
         }
         // Frees still pending here are leaked (their stream is captured by a leaked guard, or
@@ -1376,12 +1367,7 @@ impl Drop for CtxInner {
                 let _ = unsafe { self.driver.stream_destroy(self.disposal.raw) };
             }
         }
-        for e in self
-            .events
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
+        for e in self.events.get_mut().drain(..) {
             // SAFETY: the cached events are ours; nothing records them any more.
             let _ = unsafe { self.driver.event_destroy(e) };
         }
@@ -1393,11 +1379,7 @@ impl Drop for CtxInner {
         }
         // A stream still lent to another crate lives in this context: releasing the primary
         // context could destroy it under the borrower (the last release does). Keep the retain.
-        let loans_out = !self
-            .lent
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
+        let loans_out = !self.lent.get_mut().is_empty();
         if self.primary && !loans_out {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };

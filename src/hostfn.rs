@@ -5,7 +5,8 @@
 //! the context and everything above.
 
 use crate::driver;
-use std::sync::{Arc, Mutex};
+use crate::sync::Mutex;
+use std::sync::Arc;
 
 thread_local! {
     static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -46,12 +47,12 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
     let spawned = std::thread::Builder::new()
         .name("cuda-stream-pool-drop".into())
         .spawn(move || {
-            if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(f) = run.lock().take() {
                 f()
             }
         });
     if spawned.is_err() {
-        if let Some(f) = job.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(f) = job.lock().take() {
             std::mem::forget(f);
         }
     }
@@ -101,12 +102,12 @@ pub(crate) fn wake_task(w: std::task::Waker) {
             let spawned = std::thread::Builder::new()
                 .name("cuda-stream-pool-wake".into())
                 .spawn(move || {
-                    if let Some(w) = c2.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    if let Some(w) = c2.lock().take() {
                         run(w)
                     }
                 });
             if spawned.is_err() {
-                if let Some(w) = cell.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                if let Some(w) = cell.lock().take() {
                     run(w)
                 }
             }

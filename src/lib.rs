@@ -158,6 +158,10 @@ mod memory;
 mod owner;
 mod pool;
 mod stream;
+mod sync;
+#[cfg(feature = "model-hooks")]
+#[doc(hidden)]
+pub use sync::hook as __model_hooks;
 
 #[cfg(feature = "cudarc")]
 pub use self::cudarc::CudarcUse;

@@ -20,9 +20,10 @@ use crate::driver::{CaptureModeGuard, DevicePtr};
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{CapturedUse, Slot};
 use crate::stream::StreamRef;
+use crate::sync::{Mutex, MutexGuard};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 /// Plain data that can live in device memory: every bit pattern is a valid value.
 ///
@@ -66,7 +67,7 @@ pub(crate) struct BufCore {
 
 impl Drop for BufCore {
     fn drop(&mut self) {
-        let last = self.last.get_mut().unwrap_or_else(|p| p.into_inner());
+        let last = self.last.get_mut();
         let (ctx, ptr, slot, gen) = (self.ctx.clone(), self.ptr, last.slot.clone(), last.gen);
         off_host_fn_thread(move || {
             // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
@@ -175,7 +176,7 @@ impl BufCore {
                 "the buffer is already in use on this thread (a BufferUse of it is alive)",
             ));
         }
-        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let last = self.last.lock();
         self.holder.store(me, Ordering::Release);
         let mut u = BufferUse {
             core: self,
@@ -792,7 +793,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         if self.core.holder.load(Ordering::Acquire) == thread_tag() {
             return None;
         }
-        let last = self.core.last.lock().unwrap_or_else(|p| p.into_inner());
+        let last = self.core.last.lock();
         let live = last.slot.lock().is_live(last.gen);
         Some((last.slot.raw, last.gen, live))
     }

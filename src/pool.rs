@@ -14,13 +14,14 @@
 
 use crate::driver::{CaptureModeGuard, Driver, Stream};
 use crate::error::Result;
+use crate::sync::{Mutex, MutexGuard};
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 
 /// Idle streams kept per (priority, flags) key. A release that leaves more retired streams
@@ -199,7 +200,7 @@ impl Slot {
     /// without the loan's lock; a `make` that lends the same stream again gets an error.
     pub(crate) fn lend(&self, make: impl FnOnce() -> Result<Loan>) -> Result<Loan> {
         {
-            let l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+            let l = self.loan.lock();
             if let Some(a) = l.as_ref() {
                 return Ok(a.clone());
             }
@@ -217,7 +218,7 @@ impl Slot {
         }
         let _done = Done(&self.lending);
         let a = make()?;
-        let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+        let mut l = self.loan.lock();
         *l = Some(a.clone());
         self.lent.store(true, Ordering::Release);
         Ok(a)
@@ -235,7 +236,7 @@ impl Slot {
     /// nobody can make one from nothing, so the answer cannot become stale.
     pub(crate) fn loan_returned(&self) -> bool {
         let taken = {
-            let mut l = self.loan.lock().unwrap_or_else(|p| p.into_inner());
+            let mut l = self.loan.lock();
             match l.as_mut().map(|a| Arc::get_mut(a).is_some()) {
                 None => return true,
                 Some(false) => return false,
@@ -252,7 +253,7 @@ impl Slot {
     pub(crate) fn lock(&self) -> SlotGuard<'_> {
         SlotGuard {
             slot: self,
-            st: self.state.lock().unwrap_or_else(|p| p.into_inner()),
+            st: self.state.lock(),
         }
     }
 
@@ -552,7 +553,7 @@ impl Gate {
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.lock()
     }
 
     /// Counts a stream about to be created; below the cap only, unless `force`.
@@ -655,7 +656,7 @@ impl Gate {
         if self.returned_len.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
-        let mut r = self.returned.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.returned.lock();
         self.returned_len.store(0, Ordering::Release);
         self.handed.fetch_sub(r.len(), Ordering::AcqRel);
         std::mem::take(&mut *r)
@@ -702,7 +703,7 @@ impl Gate {
                         wakes.push(n.waker());
                     }
                     None => {
-                        let mut r = self.returned.lock().unwrap_or_else(|p| p.into_inner());
+                        let mut r = self.returned.lock();
                         r.push(slot);
                         self.returned_len.store(r.len(), Ordering::Release);
                     }
@@ -785,10 +786,7 @@ impl Pool {
     }
 
     fn shard(&self, i: usize) -> MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>> {
-        self.shards[i & (self.shards.len() - 1)]
-            .list
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.shards[i & (self.shards.len() - 1)].list.lock()
     }
 
     /// Retired streams kept: [`MAX_IDLE`], or the reserve when larger.
@@ -835,7 +833,7 @@ impl Pool {
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
-                std::thread::park();
+                crate::sync::park();
                 continue;
             }
             if let Some(found) = self.attempt(driver, bind, false)? {

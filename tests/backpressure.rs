@@ -91,6 +91,16 @@ fn cap_respected_under_threads() {
             }
         })
     };
+    // The cap is reached before the workers start, and given back only once one of them waits
+    // (`waits` counts an acquisition that joined the queue): someone waits, whatever the
+    // machine's load.
+    let first: Vec<_> = (0..3)
+        .map(|_| {
+            let o = ctx.owner();
+            o.stream().unwrap();
+            o
+        })
+        .collect();
     let workers: Vec<_> = (0..16)
         .map(|t| {
             let (ctx, sim, held) = (ctx.clone(), sim.clone(), held.clone());
@@ -108,6 +118,10 @@ fn cap_respected_under_threads() {
             })
         })
         .collect();
+    while ctx.stats().waits == 0 {
+        std::thread::yield_now();
+    }
+    drop(first);
     for w in workers {
         w.join().unwrap();
     }

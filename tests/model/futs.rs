@@ -423,9 +423,11 @@ impl Model {
             self.futs.insert(i, f);
         }
         for j in earlier {
-            let Some(k) = self.futs.iter().position(
-                |f| matches!(f.kind, Kind::Ready { joined: Some(q), .. } if q == j),
-            ) else {
+            let Some(k) = self
+                .futs
+                .iter()
+                .position(|f| matches!(f.kind, Kind::Ready { joined: Some(q), .. } if q == j))
+            else {
                 continue; // resolved meanwhile (by the poll of an earlier one)
             };
             let before = self.futs.len();

@@ -1161,13 +1161,13 @@ impl Model {
                 let (shared, w, drv) = (shared.clone(), w.clone(), self.drv.clone());
                 let bufs = bufs.clone();
                 std::thread::spawn(move || {
-                    drv.hook.register(i);
+                    let registered = sched::register(&drv, i);
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         worker(&shared, bufs, &w)
                     }));
                     // Everything the worker holds goes under the schedule too.
                     drop(shared);
-                    drv.hook.done();
+                    drop(registered);
                     r
                 })
             })

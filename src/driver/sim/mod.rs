@@ -344,6 +344,20 @@ impl SimDriver {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Waits a little for another thread (a host function running, a host write): releases the
+    /// state for up to 1 ms, or, on a thread of a test scheduler, lets it run the others.
+    fn pause<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        if crate::sync::yields() {
+            drop(st);
+            crate::sync::yield_now("a simulated wait");
+            return self.lock();
+        }
+        self.cv
+            .wait_timeout(st, Duration::from_millis(1))
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+    }
+
     fn need_ctx(&self, st: &mut State, call: &'static str) -> Result<u64> {
         let ctx = self.thread().ctx;
         if ctx == 0 || !st.contexts.contains_key(&ctx) {
@@ -637,11 +651,7 @@ impl Driver for SimDriver {
                 st.blocked_creates += 1;
                 st.counters.stalled_creates += 1;
                 while self.create_stalls(&st) {
-                    st = self
-                        .cv
-                        .wait_timeout(st, Duration::from_millis(1))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    st = self.pause(st);
                     self.progress(&mut st);
                 }
                 st.blocked_creates -= 1;

@@ -499,18 +499,10 @@ impl SimDriver {
                         && host_wait_since.get_or_insert_with(Instant::now).elapsed()
                             < Duration::from_secs(10) =>
                 {
-                    st = self
-                        .cv
-                        .wait_timeout(st, Duration::from_millis(1))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    st = self.pause(st);
                 }
                 (None, _) if host_running => {
-                    st = self
-                        .cv
-                        .wait_timeout(st, Duration::from_millis(1))
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    st = self.pause(st);
                 }
                 (None, _) => {
                     Self::note_misuse(

@@ -1,0 +1,280 @@
+//! The crate's blocking primitives, in one place: a mutex (poisoning ignored: every critical
+//! section of the crate leaves its data consistent before it can panic), a condition variable
+//! and thread parking.
+//!
+//! With the hidden feature `model-hooks` (the crate's own model tests turn it on), a thread
+//! that a test scheduler registered ([`hook::enter`]) never blocks inside these primitives:
+//! where it would block (a mutex held by another scheduled thread, a condition-variable wait, a
+//! park) it yields to the scheduler instead, and tries again when the scheduler lets it run.
+//! A scheduler that also stops threads at driver calls (the model's `Hooked` driver) then
+//! knows at every moment whether each thread is runnable, with no timing involved: the same
+//! input gives the same interleaving on an idle or a loaded machine. A scheduled thread that
+//! tries to lock a mutex it holds itself (a re-entrant lock: a deadlock in production) panics
+//! with a message instead. Without the feature these are std's primitives and nothing else.
+
+use std::ops::{Deref, DerefMut};
+
+/// A mutual-exclusion lock whose [`Mutex::lock`] cannot fail (a poisoned lock is taken as it
+/// is).
+#[derive(Default)]
+pub(crate) struct Mutex<T: ?Sized> {
+    /// Who holds the lock (see [`hook`]); only with `model-hooks`.
+    #[cfg(feature = "model-hooks")]
+    holder: std::sync::atomic::AtomicU64,
+    inner: std::sync::Mutex<T>,
+}
+
+/// The guard of a [`Mutex`].
+pub(crate) struct MutexGuard<'a, T: ?Sized> {
+    #[cfg_attr(not(feature = "model-hooks"), allow(dead_code))]
+    lock: &'a Mutex<T>,
+    /// `None` only while a [`Condvar::wait`] has released the lock.
+    inner: Option<std::sync::MutexGuard<'a, T>>,
+}
+
+impl<T> Mutex<T> {
+    pub(crate) const fn new(value: T) -> Mutex<T> {
+        Mutex {
+            #[cfg(feature = "model-hooks")]
+            holder: std::sync::atomic::AtomicU64::new(0),
+            inner: std::sync::Mutex::new(value),
+        }
+    }
+}
+
+impl<T: ?Sized> Mutex<T> {
+    /// Locks, blocking until the lock is free (a scheduled thread yields instead).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        #[cfg(feature = "model-hooks")]
+        let inner = hook::lock(&self.inner, &self.holder);
+        #[cfg(not(feature = "model-hooks"))]
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        MutexGuard {
+            lock: self,
+            inner: Some(inner),
+        }
+    }
+
+    /// The value, through a unique reference (no locking).
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized + std::fmt::Debug> std::fmt::Debug for Mutex<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl<T: ?Sized> Deref for MutexGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.inner
+            .as_deref()
+            .expect("a guard holds its lock outside Condvar::wait")
+    }
+}
+
+impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.inner
+            .as_deref_mut()
+            .expect("a guard holds its lock outside Condvar::wait")
+    }
+}
+
+impl<T: ?Sized> Drop for MutexGuard<'_, T> {
+    fn drop(&mut self) {
+        #[cfg(feature = "model-hooks")]
+        if self.inner.is_some() {
+            hook::unlocking(&self.lock.holder);
+        }
+    }
+}
+
+/// A condition variable for [`Mutex`]. Waits may wake spuriously, as std's may: callers loop
+/// on their condition.
+#[derive(Debug, Default)]
+pub(crate) struct Condvar(std::sync::Condvar);
+
+impl Condvar {
+    pub(crate) const fn new() -> Condvar {
+        Condvar(std::sync::Condvar::new())
+    }
+
+    /// Releases the lock, waits for a notification (a scheduled thread yields once instead: a
+    /// spurious wake-up), and locks again.
+    pub(crate) fn wait<'a, T>(&self, mut guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        let inner = guard.inner.take().expect("a guard holds its lock");
+        #[cfg(feature = "model-hooks")]
+        if hook::scheduled() {
+            hook::unlocking(&guard.lock.holder);
+            drop(inner);
+            hook::yield_now("condvar wait");
+            let lock = guard.lock;
+            // Nothing to release: the lock was released above.
+            std::mem::forget(guard);
+            return lock.lock();
+        }
+        #[cfg(feature = "model-hooks")]
+        hook::unlocking(&guard.lock.holder);
+        let inner = self.0.wait(inner).unwrap_or_else(|p| p.into_inner());
+        #[cfg(feature = "model-hooks")]
+        hook::locked(&guard.lock.holder);
+        guard.inner = Some(inner);
+        guard
+    }
+
+    pub(crate) fn notify_one(&self) {
+        self.0.notify_one();
+    }
+
+    pub(crate) fn notify_all(&self) {
+        self.0.notify_all();
+    }
+}
+
+/// Parks the calling thread until it is unparked (or spuriously; a scheduled thread yields once
+/// instead).
+pub(crate) fn park() {
+    #[cfg(feature = "model-hooks")]
+    if hook::scheduled() {
+        hook::yield_now("park");
+        return;
+    }
+    std::thread::park();
+}
+
+/// Whether the calling thread yields to a test scheduler where it would wait (feature
+/// `model-hooks`): then [`yield_now`] stands for a wait that may end spuriously.
+pub(crate) fn yields() -> bool {
+    #[cfg(feature = "model-hooks")]
+    return hook::scheduled();
+    #[cfg(not(feature = "model-hooks"))]
+    false
+}
+
+/// Lets a test scheduler run the others (see [`yields`]); nothing without one.
+pub(crate) fn yield_now(what: &'static str) {
+    #[cfg(feature = "model-hooks")]
+    hook::yield_now(what);
+    #[cfg(not(feature = "model-hooks"))]
+    let _ = what;
+}
+
+/// The scheduler hook (feature `model-hooks`; not part of the crate's API).
+#[cfg(feature = "model-hooks")]
+pub mod hook {
+    use std::cell::{Cell, RefCell};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// A test scheduler: decides when a registered thread that would block runs again.
+    pub trait Scheduler: Send + Sync {
+        /// The calling (registered) thread would block on `what`: returns when the scheduler
+        /// lets it try again.
+        fn yield_now(&self, what: &'static str);
+    }
+
+    thread_local! {
+        static SCHED: RefCell<Option<Arc<dyn Scheduler>>> = const { RefCell::new(None) };
+        static ID: Cell<u64> = const { Cell::new(0) };
+    }
+
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+    /// This thread's identifier in a mutex's holder word: its id shifted left, with bit 0 set
+    /// when the thread is scheduled. 0 is "nobody (or in transition)".
+    fn me() -> u64 {
+        // During thread exit (a thread-local destructor that locks) the id may be gone: such
+        // a thread takes a fresh one, which is all the holder word needs.
+        let id = ID
+            .try_with(|c| {
+                if c.get() == 0 {
+                    c.set(NEXT_ID.fetch_add(1, Ordering::Relaxed));
+                }
+                c.get()
+            })
+            .unwrap_or_else(|_| NEXT_ID.fetch_add(1, Ordering::Relaxed));
+        (id << 1) | u64::from(scheduled())
+    }
+
+    /// Registers the calling thread with `sched` until the returned guard is dropped.
+    pub fn enter(sched: Arc<dyn Scheduler>) -> Entered {
+        SCHED.with(|s| *s.borrow_mut() = Some(sched));
+        Entered(std::marker::PhantomData)
+    }
+
+    /// Registration of the calling thread ([`enter`]); dropping it unregisters the thread.
+    #[must_use]
+    #[derive(Debug)]
+    pub struct Entered(std::marker::PhantomData<*const ()>);
+
+    impl Drop for Entered {
+        fn drop(&mut self) {
+            let _ = SCHED.try_with(|s| *s.borrow_mut() = None);
+        }
+    }
+
+    pub(crate) fn scheduled() -> bool {
+        SCHED.try_with(|s| s.borrow().is_some()).unwrap_or(false)
+    }
+
+    pub(crate) fn yield_now(what: &'static str) {
+        let s = SCHED.try_with(|s| s.borrow().clone()).ok().flatten();
+        if let Some(s) = s {
+            s.yield_now(what);
+        }
+    }
+
+    pub(crate) fn locked(holder: &AtomicU64) {
+        holder.store(me(), Ordering::SeqCst);
+    }
+
+    pub(crate) fn unlocking(holder: &AtomicU64) {
+        holder.store(0, Ordering::SeqCst);
+    }
+
+    pub(crate) fn lock<'a, T: ?Sized>(
+        m: &'a std::sync::Mutex<T>,
+        holder: &AtomicU64,
+    ) -> std::sync::MutexGuard<'a, T> {
+        let me = me();
+        loop {
+            match m.try_lock() {
+                Ok(g) => {
+                    locked(holder);
+                    return g;
+                }
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    locked(holder);
+                    return p.into_inner();
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            let h = holder.load(Ordering::SeqCst);
+            if h != 0 && h >> 1 == me >> 1 {
+                panic!(
+                    "re-entrant lock: this thread already holds this lock of the crate \
+                     (a deadlock without the model's hooks)"
+                );
+            }
+            if h != 0 && me & 1 == 1 {
+                // Held by another thread: a scheduled one is stopped at the scheduler, and one
+                // the scheduler does not stop may itself wait for a stopped one (a host
+                // function for a lock that a worker holds): let the scheduler run the others.
+                yield_now("lock");
+            } else if h != 0 {
+                // Held by a thread the scheduler does not stop: it will release it by itself.
+                let g = m.lock().unwrap_or_else(|p| p.into_inner());
+                locked(holder);
+                return g;
+            } else {
+                // Between a holder's locking and its record (or its release): soon resolved.
+                std::hint::spin_loop();
+                std::thread::yield_now();
+            }
+        }
+    }
+}
