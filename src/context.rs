@@ -4,10 +4,9 @@
 //! unordered.
 
 use crate::driver::{
-    self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
-    Stream,
+    self, stream_flags, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr, Stream,
 };
-use crate::error::{Error, ErrorCode, Result};
+use crate::error::{Error, Result};
 use crate::pool::{destroy_idle, Mode, Pool, PoolStats, Slot};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -260,7 +259,11 @@ struct Deferred {
 
 pub(crate) struct CtxInner {
     pub(crate) id: u64,
+    /// The context's driver behind the device rules: every call of the crate for this context
+    /// goes through it.
     pub(crate) driver: Arc<dyn Driver>,
+    /// The same driver, typed: its hook opens scopes ([`CtxInner::scope`]).
+    rules: Arc<driver::Hooked<driver::DeviceRules>>,
     pub(crate) raw: driver::Context,
     pub(crate) device: Device,
     primary: bool,
@@ -354,14 +357,19 @@ impl Context {
         ordinal: i32,
         options: ContextOptions,
     ) -> Result<Context> {
-        driver.init()?;
-        let device = driver.device_get(ordinal)?;
-        let raw = driver.primary_ctx_retain(device)?;
-        match Self::build(driver.clone(), raw, device, true, None, options) {
+        // Every call, `cuInit` included, goes through the device rules (refused on a
+        // host-function thread before anything is touched).
+        let rules = Self::device_layer(driver);
+        rules.init()?;
+        let device = rules.device_get(ordinal)?;
+        let raw = rules.primary_ctx_retain(device)?;
+        rules.hook.set_context(raw);
+        match Self::build(rules.clone(), raw, device, true, None, options) {
             Ok(c) => Ok(c),
             Err(e) => {
+                rules.hook.set_context(driver::Context::NULL);
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
-                let _ = unsafe { driver.primary_ctx_release(device) };
+                let _ = unsafe { rules.primary_ctx_release(device) };
                 Err(e)
             }
         }
@@ -418,22 +426,23 @@ impl Context {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
         }
-        let prev = driver.ctx_get_current()?;
-        // SAFETY: the caller guarantees `raw` is live.
-        unsafe { driver.ctx_set_current(raw) }?;
-        let device = match driver.ctx_get_device() {
-            Ok(d) => d,
-            Err(e) => {
-                // SAFETY: `prev` was current on this thread a moment ago.
-                let _ = unsafe { driver.ctx_set_current(prev) };
-                return Err(e);
-            }
-        };
-        Self::build(driver, raw, device, false, keep_alive, options)
+        let rules = Self::device_layer(driver);
+        // The caller guarantees `raw` is live: calls are made in it from now on.
+        rules.hook.set_context(raw);
+        let device = rules.ctx_get_device()?;
+        Self::build(rules, raw, device, false, keep_alive, options)
+    }
+
+    /// The driver of a new state: `driver` behind the device rules (driver/rules.rs).
+    fn device_layer(driver: Arc<dyn Driver>) -> Arc<driver::Hooked<driver::DeviceRules>> {
+        Arc::new(driver::Hooked {
+            inner: driver.clone(),
+            hook: driver::DeviceRules::new(driver),
+        })
     }
 
     fn build(
-        driver: Arc<dyn Driver>,
+        rules: Arc<driver::Hooked<driver::DeviceRules>>,
         raw: driver::Context,
         device: Device,
         primary: bool,
@@ -445,8 +454,10 @@ impl Context {
                 "a cap of 0 live streams per key would make every acquisition wait forever",
             ));
         }
-        // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
-        unsafe { driver.ctx_set_current(raw) }?;
+        // One scope for the calls below: the context is made current once (and the caller's
+        // restored at the end), relaxed mode is entered once.
+        let scope = rules.hook.scope();
+        let driver: &dyn Driver = &*rules;
         let (least, greatest) = driver.ctx_stream_priority_range()?;
         if greatest > least || least.checked_sub(greatest).is_none_or(|w| w > 1024) {
             return Err(Error::invalid(format!(
@@ -484,16 +495,12 @@ impl Context {
                 return Err(e);
             }
         };
-        // Every call of this state goes through a guard that refuses calls on the crate's
-        // host-function threads.
-        let driver: Arc<dyn Driver> = Arc::new(driver::Hooked {
-            inner: driver,
-            hook: driver::HostFnRule,
-        });
+        drop(scope);
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
-                driver,
+                driver: rules.clone(),
+                rules,
                 raw,
                 device,
                 primary,
@@ -622,7 +629,8 @@ impl Context {
     pub fn reserve_key(&self, priority: Priority, flags: u32, n: usize) -> Result<usize> {
         let p = self.inner.range.resolve(priority)?;
         let pool = self.inner.pool(p, flags);
-        pool.reserve(&*self.inner.driver, &|| self.inner.bind(), n)
+        let _scope = self.inner.scope();
+        pool.reserve(&*self.inner.driver, n)
     }
 
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
@@ -681,6 +689,7 @@ impl Context {
     /// # Errors
     /// The driver's error.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        // Relaxed mode and the context current: the device rules (driver/rules.rs).
         // SAFETY: the device's default pool lives as long as the context.
         unsafe {
             self.inner.driver.mem_pool_set_attribute(
@@ -729,8 +738,7 @@ impl Context {
     /// # Errors
     /// The driver's error, e.g. a sticky error of earlier work.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
+        // Relaxed mode and the context current: the device rules (driver/rules.rs).
         self.inner.driver.ctx_synchronize()
     }
 
@@ -748,6 +756,7 @@ impl Context {
     /// assert_eq!((st.created, st.hits, st.idle), (1, 9, 1));
     /// ```
     pub fn stats(&self) -> PoolStats {
+        let _scope = self.inner.scope();
         self.inner
             .all_pools()
             .iter()
@@ -839,8 +848,8 @@ impl Context {
     /// streams of the pool where it happened are still trimmed; the pools after it are not, and
     /// the count is lost.
     pub fn trim(&self) -> Result<usize> {
+        let _scope = self.inner.scope();
         self.inner.flush_deferred();
-        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
         let mut n = 0;
         for p in self.inner.all_pools() {
             n += p.drain(&*self.inner.driver, false, p.reserved_floor())?;
@@ -882,6 +891,14 @@ impl CtxInner {
             .get_or_init(|| crate::completion::Hub::new(self.driver.clone()))
     }
 
+    /// Opens a scope of the device rules (driver/rules.rs) for an operation that makes several
+    /// driver calls: the context is made current and relaxed mode entered at most once for all
+    /// of them, and the caller's restored at the end. Never held across user code.
+    pub(crate) fn scope(&self) -> driver::Scope<'_> {
+        self.rules.hook.scope()
+    }
+
+    /// [`Context::bind`]: makes the context current on the calling thread, and leaves it so.
     pub(crate) fn bind(&self) -> Result<()> {
         if self.driver.ctx_get_current()? != self.raw {
             // SAFETY: the context is live while this state lives (retained, or kept alive by
@@ -960,7 +977,8 @@ impl CtxInner {
         } else {
             mode
         };
-        pool.acquire(&*self.driver, &|| self.bind(), mode)
+        let _scope = self.scope();
+        pool.acquire(&*self.driver, mode)
     }
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
@@ -1086,10 +1104,7 @@ impl CtxInner {
         if st.capturing || unsafe { self.capturing(slot) } {
             return false;
         }
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
-            return false;
-        };
-        // SAFETY: live and not capturing (above).
+        // SAFETY: live and not capturing (above); relaxed mode: the device rules.
         unsafe {
             if wait {
                 self.driver.stream_synchronize(slot.raw).is_ok()
@@ -1111,7 +1126,6 @@ impl CtxInner {
         if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(e);
         }
-        self.bind()?;
         self.driver
             .event_create(driver::event_flags::DISABLE_TIMING)
     }
@@ -1140,20 +1154,13 @@ impl CtxInner {
         unsafe { self.order_raw(before.raw, after.raw) }
     }
 
-    /// `cuMemFreeAsync` with the context made current when the driver asks for it.
+    /// `cuMemFreeAsync` (in relaxed mode, the context current: the device rules).
     ///
     /// # Safety
     /// As [`Driver::mem_free_async`].
     unsafe fn free_on(&self, ptr: DevicePtr, stream: &Slot) -> Result<()> {
         // SAFETY: the caller's contract.
-        match unsafe { self.driver.mem_free_async(ptr, stream.raw) } {
-            Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
-                self.bind()?;
-                // SAFETY: as above.
-                unsafe { self.driver.mem_free_async(ptr, stream.raw) }
-            }
-            r => r,
-        }
+        unsafe { self.driver.mem_free_async(ptr, stream.raw) }
     }
 
     /// Frees `ptr`, whose last use was generation `gen` of `slot`, ordered after that use; in
@@ -1169,9 +1176,7 @@ impl CtxInner {
     /// `ptr` is a live allocation of this context, freed by nobody else, and every use of it was
     /// enqueued on `slot` no later than generation `gen` (or ordered before such work).
     pub(crate) unsafe fn free_ordered(&self, ptr: DevicePtr, slot: &Slot, gen: u64) -> bool {
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
-            return false;
-        };
+        let _scope = self.scope();
         let st = slot.lock();
         if !st.is_live(gen) {
             drop(st);
@@ -1223,9 +1228,10 @@ impl CtxInner {
                 LoanEnd::Stuck => return,
             }
         }
-        let done = CaptureModeGuard::relaxed(&*self.driver)
-            .ok()
-            .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
+        let done = {
+            let _scope = self.scope();
+            destroy_idle(&*self.driver, &slot, wait).unwrap_or(false)
+        };
         if !done && !slot.lock().destroyed {
             let mut list = self.orphans.lock().unwrap_or_else(|p| p.into_inner());
             list.push(slot);
@@ -1244,6 +1250,7 @@ impl CtxInner {
 
     /// [`CtxInner::flush_deferred`]; with `wait`, kept streams are waited for.
     fn flush(&self, wait: bool) {
+        let _scope = self.scope();
         // The count changes under the lock of the list it counts, so it never underflows.
         let taken = {
             let mut list = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
@@ -1305,6 +1312,7 @@ impl Drop for CtxInner {
             let moved = CtxInner {
                 id: self.id,
                 driver: self.driver.clone(),
+                rules: self.rules.clone(),
                 raw: self.raw,
                 device: self.device,
                 primary: self.primary,
@@ -1344,14 +1352,11 @@ impl Drop for CtxInner {
             return;
         }
         // Everything of this context is gone (owners, streams, buffers and graphs hold it
-        // alive). Teardown waits and queries in relaxed mode: it invalidates no capture.
-        let _ = self.bind();
-        // Without relaxed mode, waiting and querying could invalidate a capture: then the state
-        // is leaked instead (after a few tries: the switch fails only on a broken driver).
-        let Some(_relaxed) = (0..3).find_map(|_| CaptureModeGuard::relaxed(&*self.driver).ok())
-        else {
-            return;
-        };
+        // alive). One scope of the device rules for the whole teardown: the context current
+        // and relaxed mode (it invalidates no capture) once, the caller's restored at the end.
+        // A wait or query that cannot run relaxed is not made (its stream is then kept).
+        let rules = self.rules.clone();
+        let _scope = rules.hook.scope();
         self.flush(true);
         for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true, 0);
@@ -1402,5 +1407,7 @@ impl Drop for CtxInner {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }
+        // Whoever still holds this driver (`Context::driver`) makes calls in no context now.
+        self.rules.hook.set_context(driver::Context::NULL);
     }
 }

@@ -8,8 +8,9 @@
 
 mod cuda;
 mod hooked;
-pub(crate) use hooked::HostFnRule;
+mod rules;
 pub use hooked::{Hook, Hooked};
+pub(crate) use rules::{outside_scopes, DeviceRules, Scope};
 pub mod sim;
 
 pub use cuda::CudaDriver;
