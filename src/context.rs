@@ -526,7 +526,13 @@ impl Context {
         })
     }
 
-    /// The driver this context runs on.
+    /// The driver this context runs on, behind the context's device rules: a call made through
+    /// it is refused on a host-function thread (`CUDA_ERROR_NOT_PERMITTED`), runs with this
+    /// context current (the caller's current context is restored afterwards), and, for a call
+    /// that can invalidate a capture (queries, synchronizations, allocations and frees, host
+    /// allocations, pool creation and attributes, graph instantiation, module loads), in
+    /// relaxed capture mode (the caller's mode is restored). For a call with the thread's own
+    /// mode and current context, use the driver you passed in.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -700,7 +706,9 @@ impl Context {
         }
     }
 
-    /// Makes this context current on the calling thread, if it is not already.
+    /// Makes this context current on the calling thread, if it is not already, and leaves it
+    /// so (for your own raw driver calls). The crate's operations need no `bind`: each makes the
+    /// context current for its calls and restores the thread's current context afterwards.
     ///
     /// ```
     /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
@@ -708,8 +716,11 @@ impl Context {
     /// use std::sync::Arc;
     /// let sim = Arc::new(SimDriver::with_config(SimConfig { devices: 2, ..SimConfig::default() }));
     /// let c0 = Context::primary(sim.clone(), 0).unwrap();
-    /// let c1 = Context::primary(sim.clone(), 1).unwrap();   // current now
-    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw());
+    /// let c1 = Context::primary(sim.clone(), 1).unwrap();
+    /// assert!(sim.ctx_get_current().unwrap().is_null());    // the crate left none current
+    /// c1.bind().unwrap();
+    /// c0.owner().stream().unwrap();                         // an operation of c0 ...
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw()); // ... leaves c1 current
     /// c0.bind().unwrap();
     /// assert_eq!(sim.ctx_get_current().unwrap(), c0.raw());
     /// ```

@@ -7,7 +7,10 @@
 //!   called there.
 //! * **Current context**: the context is made current for the call if it is not, and the
 //!   caller's current context is restored afterwards (the current context is per thread, and
-//!   code on the caller's thread may use another device or context).
+//!   code on the caller's thread may use another device or context). Calls whose handle names
+//!   the context and that need no current one skip it (queries and synchronizations of streams
+//!   and events, capture-state queries, `cuMemAllocAsync`, measured to succeed with no context
+//!   current); a free makes it current only if the driver refuses it for want of one.
 //! * **Capture mode**: every call of the H200's invalidation table (queries, synchronizations,
 //!   allocations and frees, host allocations, pool creation and attributes, graph instantiation,
 //!   module loads) runs in relaxed capture mode, and the caller's mode is restored: such a call
