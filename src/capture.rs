@@ -229,13 +229,15 @@ impl<'a> CaptureGuard<'a> {
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
     /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let ctx = Context::primary(drv.clone(), 0).unwrap();
     /// use cuda_stream_pool::ErrorCode;
     /// let owner = ctx.owner();
     /// let s = owner.stream().unwrap();
     /// let g = s.begin_capture().unwrap();
-    /// // A call that a capture forbids, made on the capturing thread outside the crate:
-    /// assert!(ctx.driver().ctx_synchronize().is_err());
+    /// // A call that a capture forbids, made on the capturing thread outside the crate (with
+    /// // the raw driver: the context's own driver would run it in relaxed mode):
+    /// ctx.bind().unwrap();
+    /// assert!(drv.ctx_synchronize().is_err());
     /// let e = g.end().unwrap_err();
     /// assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
     /// assert!(!s.is_capturing().unwrap());           // the stream is usable again

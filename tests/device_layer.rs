@@ -316,27 +316,114 @@ fn the_sim_applies_the_invalidation_table_to_host_alloc_pools_instantiate_and_mo
     }
 }
 
-// Measured for the report: the driver calls of one alloc + drop of a buffer on the sim.
+// The cost of the rules: one alloc + drop of a buffer makes one pair of mode exchanges each and
+// no context switch, whether no context or another one is current on the thread.
 #[test]
-fn alloc_and_drop_make_one_mode_exchange_pair() {
-    let sim = Arc::new(SimDriver::new());
+fn alloc_and_drop_make_one_mode_exchange_pair_and_no_context_switch() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let other = Context::primary(sim.clone(), 1).unwrap();
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let o = ctx.owner();
     let s = o.stream().unwrap();
     drop(DeviceBuffer::<f32>::alloc(&s, 16).unwrap());
-    sim.clear_calls();
-    let b = DeviceBuffer::<f32>::alloc(&s, 16).unwrap();
-    let alloc: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
-    sim.clear_calls();
-    drop(b);
-    let free: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
-    eprintln!("alloc: {alloc:?}\nfree: {free:?}");
-    for calls in [&alloc, &free] {
-        let exchanges = calls
-            .iter()
-            .filter(|c| **c == "cuThreadExchangeStreamCaptureMode")
-            .count();
-        assert!(exchanges <= 2, "{calls:?}");
-        assert!(!calls.contains(&"cuCtxSetCurrent"), "{calls:?}");
+    for bind_other in [false, true] {
+        if bind_other {
+            other.bind().unwrap();
+        }
+        sim.clear_calls();
+        let b = DeviceBuffer::<f32>::alloc(&s, 16).unwrap();
+        let alloc: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+        sim.clear_calls();
+        drop(b);
+        let free: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+        eprintln!("another context current: {bind_other}\nalloc: {alloc:?}\nfree: {free:?}");
+        for calls in [&alloc, &free] {
+            let exchanges = calls
+                .iter()
+                .filter(|c| **c == "cuThreadExchangeStreamCaptureMode")
+                .count();
+            assert_eq!(exchanges, 2, "{calls:?}");
+            assert!(!calls.contains(&"cuCtxSetCurrent"), "{calls:?}");
+            assert_eq!(calls.len(), 3, "{calls:?}");
+        }
     }
+}
+
+// The device layer restores the caller's capture mode, set with the caller's own guard.
+#[test]
+fn every_operation_keeps_the_callers_capture_mode() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    for mode in [
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+        CaptureMode::Global,
+    ] {
+        let _mine = cuda_stream_pool::CaptureModeGuard::new(&*sim, mode).unwrap();
+        every_operation(&d, &ctx, &mut |op| {
+            let now = sim.thread_exchange_capture_mode(mode).unwrap();
+            assert_eq!(now, mode, "{op} changed the thread's capture mode");
+        });
+    }
+}
+
+/// A hook that panics at one call, to unwind through the crate's scopes.
+struct PanicAt(&'static str);
+impl cuda_stream_pool::driver::Hook for PanicAt {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        if call == self.0 {
+            panic!("the test's hook panics at {call}");
+        }
+        Ok(())
+    }
+}
+
+// The device layer's scopes are guards: they restore the thread's state when a call unwinds.
+#[test]
+fn a_panic_inside_an_operation_restores_mode_and_context() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let mine = Context::primary(sim.clone(), 1).unwrap();
+    let hooked: Arc<dyn Driver> = Arc::new(cuda_stream_pool::driver::Hooked {
+        inner: sim.clone(),
+        hook: PanicAt("cuMemFreeAsync"),
+    });
+    let ctx = Context::primary(hooked, 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    mine.bind().unwrap();
+    let _guard = cuda_stream_pool::CaptureModeGuard::new(&*sim, CaptureMode::ThreadLocal).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(b)));
+    assert!(r.is_err(), "the hook did not panic");
+    assert_eq!(sim.ctx_get_current().unwrap(), mine.raw());
+    assert_eq!(
+        sim.thread_exchange_capture_mode(CaptureMode::ThreadLocal)
+            .unwrap(),
+        CaptureMode::ThreadLocal
+    );
+}
+
+// Switches nest: an operation that makes several relaxed calls switches the mode once.
+#[test]
+fn an_operation_with_several_queries_makes_one_mode_exchange_pair() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
+    for o in &owners {
+        o.stream().unwrap();
+    }
+    drop(owners);
+    sim.clear_calls();
+    assert_eq!(ctx.stats().idle, 3);
+    let names: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+    let count = |n: &str| names.iter().filter(|c| **c == n).count();
+    assert_eq!(count("cuStreamQuery"), 3, "{names:?}");
+    assert_eq!(count("cuThreadExchangeStreamCaptureMode"), 2, "{names:?}");
 }
