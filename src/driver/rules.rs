@@ -306,6 +306,24 @@ pub(crate) struct Scope<'r> {
     _thread: std::marker::PhantomData<*const ()>,
 }
 
+impl Scope<'_> {
+    /// Switches to relaxed mode now (if the scope has not yet): for an operation that must not
+    /// start unless every call of it can run relaxed (the teardown).
+    ///
+    /// # Errors
+    /// The driver's error from the switch.
+    pub(crate) fn relax_now(&self) -> Result<()> {
+        if !self.opened {
+            return Err(Error::invalid("no thread-local state for a scope"));
+        }
+        self.rules.prepare(Need {
+            bind: false,
+            relax: true,
+            on_demand: false,
+        })
+    }
+}
+
 impl Drop for Scope<'_> {
     fn drop(&mut self) {
         if self.opened {
@@ -378,5 +396,89 @@ impl DeviceRules {
         })();
         self.restore(frame);
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::{Hooked, SimDriver};
+
+    /// A sim with two retained primary contexts; the rules of the first, the second current.
+    fn setup() -> (Arc<SimDriver>, Hooked<DeviceRules>, Context, Context) {
+        let sim = Arc::new(SimDriver::new());
+        sim.init().unwrap();
+        let dev = sim.device_get(0).unwrap();
+        let a = sim.primary_ctx_retain(dev).unwrap();
+        // A second context: an adopted one would do; the sim has one primary per device, so
+        // the "other" context is null (none current), which the rules must restore too.
+        let other = Context::NULL;
+        let rules = Hooked {
+            inner: sim.clone() as Arc<dyn Driver>,
+            hook: DeviceRules::new(sim.clone()),
+        };
+        rules.hook.set_context(a);
+        (sim, rules, a, other)
+    }
+
+    fn mode(sim: &SimDriver) -> CaptureMode {
+        let m = sim
+            .thread_exchange_capture_mode(CaptureMode::Global)
+            .unwrap();
+        sim.thread_exchange_capture_mode(m).unwrap();
+        m
+    }
+
+    #[test]
+    fn a_scope_switches_once_and_restores_at_its_end() {
+        let (sim, rules, a, other) = setup();
+        {
+            let _outer = rules.hook.scope();
+            rules.ctx_synchronize().unwrap();
+            assert_eq!(sim.ctx_get_current().unwrap(), a);
+            assert_eq!(mode(&sim), CaptureMode::Relaxed);
+            sim.clear_calls();
+            {
+                let _inner = rules.hook.scope();
+                rules.ctx_synchronize().unwrap();
+            }
+            rules.ctx_synchronize().unwrap();
+            let names: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+            assert_eq!(names, ["cuCtxSynchronize", "cuCtxSynchronize"]);
+        }
+        assert_eq!(sim.ctx_get_current().unwrap(), other);
+        assert_eq!(mode(&sim), CaptureMode::Global);
+    }
+
+    #[test]
+    fn user_code_runs_in_the_callers_state_and_the_scope_switches_again_after() {
+        let (sim, rules, a, other) = setup();
+        let _scope = rules.hook.scope();
+        rules.ctx_synchronize().unwrap();
+        outside_scopes(|| {
+            assert_eq!(sim.ctx_get_current().unwrap(), other);
+            assert_eq!(mode(&sim), CaptureMode::Global);
+        });
+        rules.ctx_synchronize().unwrap();
+        assert_eq!(sim.ctx_get_current().unwrap(), a);
+        assert_eq!(mode(&sim), CaptureMode::Relaxed);
+        drop(_scope);
+        assert_eq!(sim.ctx_get_current().unwrap(), other);
+        assert_eq!(mode(&sim), CaptureMode::Global);
+    }
+
+    #[test]
+    fn calls_are_refused_on_a_host_function_thread_before_any_driver_call() {
+        let (sim, rules, _, _) = setup();
+        let f = crate::hostfn::host_fn({
+            let sim = sim.clone();
+            move || {
+                let before = sim.call_count();
+                let e = rules.ctx_synchronize().unwrap_err();
+                assert_eq!(e.code(), Some(ErrorCode::ERROR_NOT_PERMITTED));
+                assert_eq!(sim.call_count(), before);
+            }
+        });
+        f();
     }
 }
