@@ -1048,6 +1048,8 @@ impl CtxInner {
     /// # Safety
     /// As [`CtxInner::order`].
     pub(crate) unsafe fn order_raw(&self, before: Stream, after: Stream) -> Result<()> {
+        // One scope: the context made current once for the record and the wait.
+        let _scope = self.scope();
         let e = self.take_event()?;
         // SAFETY: the event is ours; the caller keeps both streams live and not capturing.
         let r = unsafe {
