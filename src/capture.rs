@@ -23,7 +23,7 @@
 //! synchronizations, allocations and frees run in relaxed mode and invalidate no capture.
 
 use crate::context::{off_host_fn_thread, Context};
-use crate::driver::{self, CaptureMode, CaptureModeGuard, CaptureStatus};
+use crate::driver::{self, CaptureMode, CaptureStatus};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::launch_with_uses;
 use crate::pool::CapturedUse;
@@ -229,13 +229,15 @@ impl<'a> CaptureGuard<'a> {
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
     /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// # let ctx = Context::primary(drv.clone(), 0).unwrap();
     /// use cuda_stream_pool::ErrorCode;
     /// let owner = ctx.owner();
     /// let s = owner.stream().unwrap();
     /// let g = s.begin_capture().unwrap();
-    /// // A call that a capture forbids, made on the capturing thread outside the crate:
-    /// assert!(ctx.driver().ctx_synchronize().is_err());
+    /// // A call that a capture forbids, made on the capturing thread outside the crate (with
+    /// // the raw driver: the context's own driver would run it in relaxed mode):
+    /// ctx.bind().unwrap();
+    /// assert!(drv.ctx_synchronize().is_err());
     /// let e = g.end().unwrap_err();
     /// assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
     /// assert!(!s.is_capturing().unwrap());           // the stream is usable again
@@ -346,8 +348,8 @@ impl Graph {
     /// # Errors
     /// The driver's error.
     pub fn instantiate(mut self) -> Result<GraphExec> {
-        self.ctx.inner.bind()?;
-        // SAFETY: the graph is ours and live until dropped.
+        // SAFETY: the graph is ours and live until dropped. Relaxed mode and the context
+        // current: the device rules.
         let raw = unsafe { self.ctx.inner.driver.graph_instantiate(self.raw) }?;
         Ok(GraphExec {
             ctx: self.ctx.clone(),
@@ -362,7 +364,6 @@ impl Drop for Graph {
         let (ctx, raw, uses) = (self.ctx.clone(), self.raw, std::mem::take(&mut self.uses));
         off_host_fn_thread(move || {
             let d = &*ctx.inner.driver;
-            let _relaxed = CaptureModeGuard::relaxed(d);
             // SAFETY: the graph is ours; nothing uses it after this.
             let _ = unsafe { d.graph_destroy(raw) };
             drop(uses);
@@ -507,7 +508,6 @@ impl Drop for GraphExec {
         let (ctx, raw, uses) = (self.ctx.clone(), self.raw, std::mem::take(&mut self.uses));
         off_host_fn_thread(move || {
             let d = &*ctx.inner.driver;
-            let _relaxed = CaptureModeGuard::relaxed(d);
             // SAFETY: the exec is ours; a launch in flight completes (the driver frees it
             // then). The buffers are dropped after this, their frees ordered after the launches.
             let _ = unsafe { d.graph_exec_destroy(raw) };

@@ -456,7 +456,8 @@ impl<'a> StreamRef<'a> {
     pub fn completed(&self) -> Result<Completion> {
         self.not_capturing("awaiting completion")?;
         let hub = self.ctx.inner.hub();
-        self.ctx.inner.bind()?;
+        // The slab's host allocation runs relaxed, the context current: the device rules.
+        let _scope = self.ctx.inner.scope();
         let (slot, flag, dev, seq) = hub.take_slot()?;
         // SAFETY: the stream is held by the holder this reference borrows (live) and not
         // capturing (checked; only this thread could begin one); the slot is 8-byte aligned
@@ -587,7 +588,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         stream.not_capturing("copying to host memory")?;
         let ctx = stream.context();
         let hub = ctx.inner.hub();
-        ctx.inner.bind()?;
+        // The staging allocation runs relaxed, the context current: the device rules.
+        let _scope = ctx.inner.scope();
         let bytes = self.len() * std::mem::size_of::<T>();
         let staging = hub.staging(bytes)?;
         // SAFETY: the staging block holds at least `len` elements of T (size class >= bytes,

@@ -4,10 +4,9 @@
 //! unordered.
 
 use crate::driver::{
-    self, stream_flags, CaptureModeGuard, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr,
-    Stream,
+    self, stream_flags, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr, Stream,
 };
-use crate::error::{Error, ErrorCode, Result};
+use crate::error::{Error, Result};
 use crate::pool::{destroy_idle, Mode, Pool, PoolStats, Slot};
 use crate::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -261,7 +260,11 @@ struct Deferred {
 
 pub(crate) struct CtxInner {
     pub(crate) id: u64,
+    /// The context's driver behind the device rules: every call of the crate for this context
+    /// goes through it.
     pub(crate) driver: Arc<dyn Driver>,
+    /// The same driver, typed: its hook opens scopes ([`CtxInner::scope`]).
+    rules: Arc<driver::Hooked<driver::DeviceRules>>,
     pub(crate) raw: driver::Context,
     pub(crate) device: Device,
     primary: bool,
@@ -355,14 +358,19 @@ impl Context {
         ordinal: i32,
         options: ContextOptions,
     ) -> Result<Context> {
-        driver.init()?;
-        let device = driver.device_get(ordinal)?;
-        let raw = driver.primary_ctx_retain(device)?;
-        match Self::build(driver.clone(), raw, device, true, None, options) {
+        // Every call, `cuInit` included, goes through the device rules (refused on a
+        // host-function thread before anything is touched).
+        let rules = Self::device_layer(driver);
+        rules.init()?;
+        let device = rules.device_get(ordinal)?;
+        let raw = rules.primary_ctx_retain(device)?;
+        rules.hook.set_context(raw);
+        match Self::build(rules.clone(), raw, device, true, None, options) {
             Ok(c) => Ok(c),
             Err(e) => {
+                rules.hook.set_context(driver::Context::NULL);
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
-                let _ = unsafe { driver.primary_ctx_release(device) };
+                let _ = unsafe { rules.primary_ctx_release(device) };
                 Err(e)
             }
         }
@@ -419,22 +427,23 @@ impl Context {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
         }
-        let prev = driver.ctx_get_current()?;
-        // SAFETY: the caller guarantees `raw` is live.
-        unsafe { driver.ctx_set_current(raw) }?;
-        let device = match driver.ctx_get_device() {
-            Ok(d) => d,
-            Err(e) => {
-                // SAFETY: `prev` was current on this thread a moment ago.
-                let _ = unsafe { driver.ctx_set_current(prev) };
-                return Err(e);
-            }
-        };
-        Self::build(driver, raw, device, false, keep_alive, options)
+        let rules = Self::device_layer(driver);
+        // The caller guarantees `raw` is live: calls are made in it from now on.
+        rules.hook.set_context(raw);
+        let device = rules.ctx_get_device()?;
+        Self::build(rules, raw, device, false, keep_alive, options)
+    }
+
+    /// The driver of a new state: `driver` behind the device rules (driver/rules.rs).
+    fn device_layer(driver: Arc<dyn Driver>) -> Arc<driver::Hooked<driver::DeviceRules>> {
+        Arc::new(driver::Hooked {
+            inner: driver.clone(),
+            hook: driver::DeviceRules::new(driver),
+        })
     }
 
     fn build(
-        driver: Arc<dyn Driver>,
+        rules: Arc<driver::Hooked<driver::DeviceRules>>,
         raw: driver::Context,
         device: Device,
         primary: bool,
@@ -446,8 +455,10 @@ impl Context {
                 "a cap of 0 live streams per key would make every acquisition wait forever",
             ));
         }
-        // SAFETY: `raw` is live: retained by `primary`, or guaranteed by `adopt`'s caller.
-        unsafe { driver.ctx_set_current(raw) }?;
+        // One scope for the calls below: the context is made current once (and the caller's
+        // restored at the end), relaxed mode is entered once.
+        let scope = rules.hook.scope();
+        let driver: &dyn Driver = &*rules;
         let (least, greatest) = driver.ctx_stream_priority_range()?;
         if greatest > least || least.checked_sub(greatest).is_none_or(|w| w > 1024) {
             return Err(Error::invalid(format!(
@@ -485,16 +496,12 @@ impl Context {
                 return Err(e);
             }
         };
-        // Every call of this state goes through a guard that refuses calls on the crate's
-        // host-function threads.
-        let driver: Arc<dyn Driver> = Arc::new(driver::Hooked {
-            inner: driver,
-            hook: driver::HostFnRule,
-        });
+        drop(scope);
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
-                driver,
+                driver: rules.clone(),
+                rules,
                 raw,
                 device,
                 primary,
@@ -520,7 +527,13 @@ impl Context {
         })
     }
 
-    /// The driver this context runs on.
+    /// The driver this context runs on, behind the context's device rules: a call made through
+    /// it is refused on a host-function thread (`CUDA_ERROR_NOT_PERMITTED`), runs with this
+    /// context current (the caller's current context is restored afterwards), and, for a call
+    /// that can invalidate a capture (queries, synchronizations, allocations and frees, host
+    /// allocations, pool creation and attributes, graph instantiation, module loads), in
+    /// relaxed capture mode (the caller's mode is restored). For a call with the thread's own
+    /// mode and current context, use the driver you passed in.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -623,7 +636,8 @@ impl Context {
     pub fn reserve_key(&self, priority: Priority, flags: u32, n: usize) -> Result<usize> {
         let p = self.inner.range.resolve(priority)?;
         let pool = self.inner.pool(p, flags);
-        pool.reserve(&*self.inner.driver, &|| self.inner.bind(), n)
+        let _scope = self.inner.scope();
+        pool.reserve(&*self.inner.driver, n)
     }
 
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the
@@ -682,6 +696,7 @@ impl Context {
     /// # Errors
     /// The driver's error.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        // Relaxed mode and the context current: the device rules (driver/rules.rs).
         // SAFETY: the device's default pool lives as long as the context.
         unsafe {
             self.inner.driver.mem_pool_set_attribute(
@@ -692,7 +707,9 @@ impl Context {
         }
     }
 
-    /// Makes this context current on the calling thread, if it is not already.
+    /// Makes this context current on the calling thread, if it is not already, and leaves it
+    /// so (for your own raw driver calls). The crate's operations need no `bind`: each makes the
+    /// context current for its calls and restores the thread's current context afterwards.
     ///
     /// ```
     /// use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
@@ -700,8 +717,11 @@ impl Context {
     /// use std::sync::Arc;
     /// let sim = Arc::new(SimDriver::with_config(SimConfig { devices: 2, ..SimConfig::default() }));
     /// let c0 = Context::primary(sim.clone(), 0).unwrap();
-    /// let c1 = Context::primary(sim.clone(), 1).unwrap();   // current now
-    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw());
+    /// let c1 = Context::primary(sim.clone(), 1).unwrap();
+    /// assert!(sim.ctx_get_current().unwrap().is_null());    // the crate left none current
+    /// c1.bind().unwrap();
+    /// c0.owner().stream().unwrap();                         // an operation of c0 ...
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c1.raw()); // ... leaves c1 current
     /// c0.bind().unwrap();
     /// assert_eq!(sim.ctx_get_current().unwrap(), c0.raw());
     /// ```
@@ -730,8 +750,7 @@ impl Context {
     /// # Errors
     /// The driver's error, e.g. a sticky error of earlier work.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
+        // Relaxed mode and the context current: the device rules (driver/rules.rs).
         self.inner.driver.ctx_synchronize()
     }
 
@@ -749,6 +768,7 @@ impl Context {
     /// assert_eq!((st.created, st.hits, st.idle), (1, 9, 1));
     /// ```
     pub fn stats(&self) -> PoolStats {
+        let _scope = self.inner.scope();
         self.inner
             .all_pools()
             .iter()
@@ -840,8 +860,8 @@ impl Context {
     /// streams of the pool where it happened are still trimmed; the pools after it are not, and
     /// the count is lost.
     pub fn trim(&self) -> Result<usize> {
+        let _scope = self.inner.scope();
         self.inner.flush_deferred();
-        let _relaxed = CaptureModeGuard::relaxed(&*self.inner.driver)?;
         let mut n = 0;
         for p in self.inner.all_pools() {
             n += p.drain(&*self.inner.driver, false, p.reserved_floor())?;
@@ -883,6 +903,14 @@ impl CtxInner {
             .get_or_init(|| crate::completion::Hub::new(self.driver.clone()))
     }
 
+    /// Opens a scope of the device rules (driver/rules.rs) for an operation that makes several
+    /// driver calls: the context is made current and relaxed mode entered at most once for all
+    /// of them, and the caller's restored at the end. Never held across user code.
+    pub(crate) fn scope(&self) -> driver::Scope<'_> {
+        self.rules.hook.scope()
+    }
+
+    /// [`Context::bind`]: makes the context current on the calling thread, and leaves it so.
     pub(crate) fn bind(&self) -> Result<()> {
         if self.driver.ctx_get_current()? != self.raw {
             // SAFETY: the context is live while this state lives (retained, or kept alive by
@@ -961,7 +989,8 @@ impl CtxInner {
         } else {
             mode
         };
-        pool.acquire(&*self.driver, &|| self.bind(), mode)
+        let _scope = self.scope();
+        pool.acquire(&*self.driver, mode)
     }
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
@@ -1020,6 +1049,8 @@ impl CtxInner {
     /// # Safety
     /// As [`CtxInner::order`].
     pub(crate) unsafe fn order_raw(&self, before: Stream, after: Stream) -> Result<()> {
+        // One scope: the context made current once for the record and the wait.
+        let _scope = self.scope();
         let e = self.take_event()?;
         // SAFETY: the event is ours; the caller keeps both streams live and not capturing.
         let r = unsafe {
@@ -1087,10 +1118,7 @@ impl CtxInner {
         if st.capturing || unsafe { self.capturing(slot) } {
             return false;
         }
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
-            return false;
-        };
-        // SAFETY: live and not capturing (above).
+        // SAFETY: live and not capturing (above); relaxed mode: the device rules.
         unsafe {
             if wait {
                 self.driver.stream_synchronize(slot.raw).is_ok()
@@ -1112,7 +1140,6 @@ impl CtxInner {
         if let Some(e) = self.events.lock().pop() {
             return Ok(e);
         }
-        self.bind()?;
         self.driver
             .event_create(driver::event_flags::DISABLE_TIMING)
     }
@@ -1141,20 +1168,13 @@ impl CtxInner {
         unsafe { self.order_raw(before.raw, after.raw) }
     }
 
-    /// `cuMemFreeAsync` with the context made current when the driver asks for it.
+    /// `cuMemFreeAsync` (in relaxed mode, the context current: the device rules).
     ///
     /// # Safety
     /// As [`Driver::mem_free_async`].
     unsafe fn free_on(&self, ptr: DevicePtr, stream: &Slot) -> Result<()> {
         // SAFETY: the caller's contract.
-        match unsafe { self.driver.mem_free_async(ptr, stream.raw) } {
-            Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
-                self.bind()?;
-                // SAFETY: as above.
-                unsafe { self.driver.mem_free_async(ptr, stream.raw) }
-            }
-            r => r,
-        }
+        unsafe { self.driver.mem_free_async(ptr, stream.raw) }
     }
 
     /// Frees `ptr`, whose last use was generation `gen` of `slot`, ordered after that use; in
@@ -1170,9 +1190,7 @@ impl CtxInner {
     /// `ptr` is a live allocation of this context, freed by nobody else, and every use of it was
     /// enqueued on `slot` no later than generation `gen` (or ordered before such work).
     pub(crate) unsafe fn free_ordered(&self, ptr: DevicePtr, slot: &Slot, gen: u64) -> bool {
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(&*self.driver) else {
-            return false;
-        };
+        let _scope = self.scope();
         let st = slot.lock();
         if !st.is_live(gen) {
             drop(st);
@@ -1224,9 +1242,10 @@ impl CtxInner {
                 LoanEnd::Stuck => return,
             }
         }
-        let done = CaptureModeGuard::relaxed(&*self.driver)
-            .ok()
-            .is_some_and(|_relaxed| destroy_idle(&*self.driver, &slot, wait).unwrap_or(false));
+        let done = {
+            let _scope = self.scope();
+            destroy_idle(&*self.driver, &slot, wait).unwrap_or(false)
+        };
         if !done && !slot.lock().destroyed {
             let mut list = self.orphans.lock();
             list.push(slot);
@@ -1245,6 +1264,7 @@ impl CtxInner {
 
     /// [`CtxInner::flush_deferred`]; with `wait`, kept streams are waited for.
     fn flush(&self, wait: bool) {
+        let _scope = self.scope();
         // The count changes under the lock of the list it counts, so it never underflows.
         let taken = {
             let mut list = self.deferred.lock();
@@ -1306,6 +1326,7 @@ impl Drop for CtxInner {
             let moved = CtxInner {
                 id: self.id,
                 driver: self.driver.clone(),
+                rules: self.rules.clone(),
                 raw: self.raw,
                 device: self.device,
                 primary: self.primary,
@@ -1335,14 +1356,15 @@ impl Drop for CtxInner {
             return;
         }
         // Everything of this context is gone (owners, streams, buffers and graphs hold it
-        // alive). Teardown waits and queries in relaxed mode: it invalidates no capture.
-        let _ = self.bind();
+        // alive). One scope of the device rules for the whole teardown: the context current
+        // and relaxed mode (it invalidates no capture) once, the caller's restored at the end.
+        let rules = self.rules.clone();
+        let scope = rules.hook.scope();
         // Without relaxed mode, waiting and querying could invalidate a capture: then the state
         // is leaked instead (after a few tries: the switch fails only on a broken driver).
-        let Some(_relaxed) = (0..3).find_map(|_| CaptureModeGuard::relaxed(&*self.driver).ok())
-        else {
+        if (0..3).all(|_| scope.relax_now().is_err()) {
             return;
-        };
+        }
         self.flush(true);
         for p in self.all_pools() {
             let _ = p.drain(&*self.driver, true, 0);
@@ -1384,5 +1406,7 @@ impl Drop for CtxInner {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }
+        // Whoever still holds this driver (`Context::driver`) makes calls in no context now.
+        self.rules.hook.set_context(driver::Context::NULL);
     }
 }

@@ -70,9 +70,13 @@ impl Context {
     /// As [`Context::from_cudarc`] and [`Context::primary_with`].
     pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: ContextOptions) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
-        let stream = cu
-            .new_stream()
-            .map_err(|e| Error::invalid(format!("cudarc: {e}")))?;
+        // cudarc synchronizes in `new_stream`: in relaxed mode, so that no capture of any
+        // thread is invalidated.
+        let stream = {
+            let _relaxed = CaptureModeGuard::relaxed(&*drv)?;
+            cu.new_stream()
+                .map_err(|e| Error::invalid(format!("cudarc: {e}")))?
+        };
         let keep = CudarcKeep {
             _stream: stream,
             _ctx: cu.clone(),
@@ -178,7 +182,7 @@ impl<T> CudarcUse<'_, T> {
         }
         let ci = &self.ctx.inner;
         let r = (|| -> Result<()> {
-            let _relaxed = CaptureModeGuard::relaxed(&*ci.driver)?;
+            let _scope = ci.scope();
             for s in [mine, theirs] {
                 // SAFETY: both streams are live: the use's stream is held (the guard borrows
                 // its reference) and `other` is borrowed for this call.

@@ -64,7 +64,10 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
 /// idle otherwise), which runs it.
 pub(crate) fn wake_task(w: std::task::Waker) {
     fn run(w: std::task::Waker) {
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake()));
+        // A waker may poll its future inline: user code, run outside the device rules' scopes.
+        driver::outside_scopes(|| {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake()));
+        });
     }
     if !on_host_fn_thread() {
         return run(w);

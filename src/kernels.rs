@@ -3,7 +3,6 @@
 //! kernels by name.
 
 use crate::context::{off_host_fn_thread, Context};
-use crate::driver::CaptureModeGuard;
 use crate::driver::{Function, Module};
 use crate::error::{Error, Result};
 use crate::memory::{BufferUse, DeviceBuffer};
@@ -60,13 +59,9 @@ impl Drop for Module_ {
 fn unload(ctx: &Context, module: Module) {
     let ci = &ctx.inner;
     // Kernels of the module may still be pending: wait for them (relaxed: no capture is
-    // invalidated); if that fails, keep the module loaded rather than unload under them.
-    if ci.bind().is_err() {
-        return;
-    }
-    let Ok(_relaxed) = CaptureModeGuard::relaxed(&*ci.driver) else {
-        return;
-    };
+    // invalidated, the device rules); if that fails, keep the module loaded rather than unload
+    // under them.
+    let _scope = ci.scope();
     if ci.driver.ctx_synchronize().is_ok() {
         // SAFETY: the module is ours; no launch of it is pending (synchronized above) and
         // none can be made any more (no `Kernels` nor graph refers to it).
@@ -110,13 +105,12 @@ impl Kernels {
     /// Never: the embedded PTX ends with its one NUL byte (checked by every test that loads it).
     pub fn load(ctx: &Context) -> Result<Kernels> {
         let ci = &ctx.inner;
-        ci.bind()?;
+        // One scope: the context current and relaxed mode (a module load invalidates captures
+        // otherwise) once for the load and the lookups.
+        let _scope = ci.scope();
         let d = &ci.driver;
         let image = CStr::from_bytes_with_nul(PTX.as_bytes()).expect("PTX has one trailing NUL");
-        let module = {
-            let _relaxed = CaptureModeGuard::relaxed(&**d)?;
-            d.module_load_data(image)?
-        };
+        let module = d.module_load_data(image)?;
         // SAFETY: the module was just loaded and is unloaded only by `Module_::drop`.
         let get = |name: &CStr| unsafe { d.module_get_function(module, name) };
         let funcs = (|| {
@@ -177,8 +171,8 @@ impl Kernels {
     ) -> Result<()> {
         let (g, _) = grid(n)?;
         let ci = &self.inner.ctx.inner;
-        // The function belongs to this context's module: launch with the context current.
-        ci.bind()?;
+        // The function belongs to this context's module: launched with the context current
+        // (the device rules).
         if s.capturing_now() {
             // The graph will launch the kernel: it keeps the module loaded.
             let m: CapturedUse = self.inner.clone();

@@ -91,8 +91,13 @@
 //!   their owner is gone (enforced by borrows) and their work has completed; a stream is
 //!   destroyed only when idle and not captured; host functions are refused in captures (a
 //!   captured host node would run its boxed closure on every launch).
-//! * **No invalidated capture.** The crate's queries, synchronizations, allocations and frees run
-//!   in relaxed capture mode (they invalidate no capture of any thread); operations that a
+//! * **No invalidated capture, no changed thread state.** Every driver call of a context goes
+//!   through one device layer (its [`Context::driver`]), which refuses calls on the crate's
+//!   host-function threads, makes the context current for the call and restores the thread's
+//!   current context, and runs every call that can invalidate a capture (queries,
+//!   synchronizations, allocations and frees, host allocations, pool creation and attributes,
+//!   graph instantiation, module loads: the H200's table) in relaxed capture mode, restoring the
+//!   thread's mode (they invalidate no capture of any thread); operations that a
 //!   capture cannot contain (host copies, allocations, synchronize, waits between a capturing and
 //!   another stream, host functions, nested graph launches) are refused with
 //!   [`Error::CaptureInProgress`] before any driver call; a capture guard borrows its stream's

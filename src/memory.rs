@@ -16,8 +16,8 @@
 //!   host copies (a captured copy would read or write host memory on every launch).
 
 use crate::context::{off_host_fn_thread, Context};
-use crate::driver::{CaptureModeGuard, DevicePtr};
-use crate::error::{Error, ErrorCode, Result};
+use crate::driver::DevicePtr;
+use crate::error::{Error, Result};
 use crate::pool::{CapturedUse, Slot};
 use crate::stream::StreamRef;
 use crate::sync::{Mutex, MutexGuard};
@@ -203,8 +203,8 @@ impl BufCore {
                     // A capturing stream cannot wait on work outside its capture (the driver
                     // invalidates the capture, CUDA_ERROR_STREAM_CAPTURE_ISOLATION): that work
                     // must have completed already.
-                    let _relaxed = CaptureModeGuard::relaxed(&*ci.driver)?;
-                    // SAFETY: the previous stream is live (generation current, under its lock).
+                    // SAFETY: the previous stream is live (generation current, under its lock);
+                    // the query runs in relaxed mode (the device rules).
                     if !unsafe { ci.driver.stream_query(prev.raw) }? {
                         return Err(Error::CaptureInProgress(
                             "the buffer's last use, on another stream, may still be running: a \
@@ -327,21 +327,12 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
         stream.not_capturing("allocating")?;
         let ci = &stream.ctx.inner;
+        // One scope for the retried frees and the allocation (relaxed mode once).
+        let _scope = ci.scope();
         ci.flush_deferred();
-        let d = &*ci.driver;
-        let _relaxed = CaptureModeGuard::relaxed(d)?;
         // SAFETY: the stream is held by the reference's holder (live); the memory is freed by
-        // `BufCore::drop`, ordered after its last use.
-        let alloc = || unsafe { d.mem_alloc_async(bytes, stream.slot.raw) };
-        // The allocation comes from the pool of the stream's device; a current context is only
-        // needed when the driver asks for one.
-        let ptr = match alloc() {
-            Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
-                ci.bind()?;
-                alloc()?
-            }
-            r => r?,
-        };
+        // `BufCore::drop`, ordered after its last use. Relaxed mode: the device rules.
+        let ptr = unsafe { ci.driver.mem_alloc_async(bytes, stream.slot.raw) }?;
         Ok(DeviceBuffer {
             core: Arc::new(BufCore {
                 ctx: stream.ctx.clone(),
@@ -538,8 +529,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         stream.not_capturing("copying from host memory")?;
         let u = self.use_on(stream)?;
         // Async copies fail with CUDA_ERROR_INVALID_VALUE unless the stream's context is current
-        // on the calling thread (measured on two H200s).
-        self.core.ctx.inner.bind()?;
+        // on the calling thread (measured on two H200s): the device rules make it current.
         // SAFETY: the caller keeps `data` valid until the copy completes; the device range is
         // this allocation (callers check the length), kept alive and ordered by `u`; the stream
         // is held and not capturing.
@@ -566,7 +556,6 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     fn memset32(&mut self, stream: &StreamRef<'_>, word: u32) -> Result<()> {
         let u = self.use_on(stream)?;
-        self.core.ctx.inner.bind()?;
         // SAFETY: the allocation holds `bytes / 4` words (callers check `bytes % 4 == 0`), kept
         // alive and ordered by `u`; the stream is held (live). A memset into a capture becomes
         // a node, and the capture keeps the buffer (registered by `use_on`).
@@ -690,7 +679,6 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         self.check_len(dst.len(), "copy_to_host")?;
         stream.not_capturing("copying to host memory")?;
         let u = self.use_on(stream)?;
-        self.core.ctx.inner.bind()?;
         // SAFETY: the caller keeps `dst` valid and untouched until the copy completes; any bytes
         // are a valid T (DeviceCopy); the device range is this allocation, kept alive and
         // ordered by `u`; the stream is held and not capturing.

@@ -526,7 +526,10 @@ impl Future for OwnerReady {
         let ci = &owner.ctx.inner;
         let (p, flags) = (owner.inner.borrow().current, owner.flags);
         let pool = ci.pool(p, flags);
-        match pool.poll_acquire(&*ci.driver, &|| ci.bind(), &mut this.ticket, cx) {
+        let scope = ci.scope();
+        let polled = pool.poll_acquire(&*ci.driver, &mut this.ticket, cx);
+        drop(scope);
+        match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err(e)) => {
                 this.owner = None;

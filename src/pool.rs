@@ -12,7 +12,7 @@
 //! captures (a guard leaked with `mem::forget`) is never queried nor handed out. Every query runs
 //! in relaxed capture mode, so that it can never invalidate a capture of any thread.
 
-use crate::driver::{CaptureModeGuard, Driver, Stream};
+use crate::driver::{Driver, Stream};
 use crate::error::Result;
 use crate::sync::{Mutex, MutexGuard};
 use crossbeam_utils::CachePadded;
@@ -425,8 +425,8 @@ fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
 /// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
 /// and not captured; with `wait`, after waiting for its work. Returns whether it did. The
 /// generation is bumped under the stream's lock, so a buffer last used on it then frees on the
-/// disposal stream, unordered: correct only because the stream's work has completed. The caller
-/// runs it in relaxed capture mode.
+/// disposal stream, unordered: correct only because the stream's work has completed. Its queries and
+/// synchronizations run in relaxed capture mode (the context's device rules).
 pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Result<bool> {
     let mut st = slot.lock();
     if st.destroyed {
@@ -795,20 +795,15 @@ impl Pool {
     }
 
     /// Hands out a stream whose previous owner is gone and whose work has completed, bumping its
-    /// generation; otherwise creates one, after `bind` (which makes the context current).
+    /// generation; otherwise creates one.
     /// Searches the calling thread's home shard first, then the others; never waits for a busy
     /// stream. When the key is at its cap, [`Mode::Wait`] parks the thread in the gate's FIFO
     /// queue until a stream comes back (a release, a retired stream's work completing, a
     /// destroy); the other modes never wait.
-    pub(crate) fn acquire(
-        &self,
-        driver: &dyn Driver,
-        bind: &dyn Fn() -> Result<()>,
-        mode: Mode,
-    ) -> Result<(Arc<Slot>, u64)> {
+    pub(crate) fn acquire(&self, driver: &dyn Driver, mode: Mode) -> Result<(Arc<Slot>, u64)> {
         let g = &self.gate;
         if mode != Mode::Wait || g.waiting.load(Ordering::SeqCst) == 0 {
-            if let Some(found) = self.attempt(driver, bind, mode == Mode::Bypass)? {
+            if let Some(found) = self.attempt(driver, mode == Mode::Bypass)? {
                 return Ok(found);
             }
             if mode == Mode::Fail {
@@ -836,7 +831,7 @@ impl Pool {
                 crate::sync::park();
                 continue;
             }
-            if let Some(found) = self.attempt(driver, bind, false)? {
+            if let Some(found) = self.attempt(driver, false)? {
                 ticket.served();
                 return Ok(found);
             }
@@ -850,14 +845,13 @@ impl Pool {
     pub(crate) fn poll_acquire(
         &self,
         driver: &dyn Driver,
-        bind: &dyn Fn() -> Result<()>,
         ticket: &mut Option<Ticket>,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Result<(Arc<Slot>, u64)>> {
         let g = &self.gate;
         if ticket.is_none() {
             if g.waiting.load(Ordering::SeqCst) == 0 {
-                match self.attempt(driver, bind, false) {
+                match self.attempt(driver, false) {
                     Ok(Some(found)) => return Poll::Ready(Ok(found)),
                     Err(e) => return Poll::Ready(Err(e)),
                     Ok(None) => {}
@@ -884,12 +878,10 @@ impl Pool {
             if !turn {
                 return Poll::Pending;
             }
-            let r = self
-                .attempt(driver, bind, false)
-                .and_then(|found| match found {
-                    Some(found) => Ok(Some(found)),
-                    None => self.arm(driver).map(|_| None),
-                });
+            let r = self.attempt(driver, false).and_then(|found| match found {
+                Some(found) => Ok(Some(found)),
+                None => self.arm(driver).map(|_| None),
+            });
             match r {
                 Ok(None) => continue,
                 Ok(Some(found)) => {
@@ -908,16 +900,10 @@ impl Pool {
 
     /// One attempt: an idle retired stream, else a new stream if the cap allows (or `force`).
     /// `Ok(None)`: the key is at its cap and no retired stream is idle.
-    fn attempt(
-        &self,
-        driver: &dyn Driver,
-        bind: &dyn Fn() -> Result<()>,
-        force: bool,
-    ) -> Result<Option<(Arc<Slot>, u64)>> {
+    fn attempt(&self, driver: &dyn Driver, force: bool) -> Result<Option<(Arc<Slot>, u64)>> {
         let home = home_index();
         self.take_back_returned();
         if self.retired.load(Ordering::Acquire) > 0 {
-            let _relaxed = CaptureModeGuard::relaxed(driver)?;
             let mut found = None;
             for i in 0..self.shards.len() {
                 found = self.take_from(driver, home.wrapping_add(i));
@@ -936,7 +922,7 @@ impl Pool {
         if !self.gate.reserve(force) {
             return Ok(None);
         }
-        let raw = match bind().and_then(|_| driver.stream_create(self.flags, self.priority)) {
+        let raw = match driver.stream_create(self.flags, self.priority) {
             Ok(raw) => raw,
             Err(e) => {
                 self.gate.gone();
@@ -962,7 +948,6 @@ impl Pool {
         if self.retired.load(Ordering::Acquire) == 0 {
             return Ok(());
         }
-        let _relaxed = CaptureModeGuard::relaxed(driver)?;
         for i in 0..self.shards.len() {
             let list = self.shard(i);
             for slot in list.iter() {
@@ -999,12 +984,7 @@ impl Pool {
     /// # Errors
     /// [`crate::Error::InvalidArgument`] when `n` exceeds the cap; the driver's error (the streams
     /// created before it stay reserved).
-    pub(crate) fn reserve(
-        &self,
-        driver: &dyn Driver,
-        bind: &dyn Fn() -> Result<()>,
-        n: usize,
-    ) -> Result<usize> {
+    pub(crate) fn reserve(&self, driver: &dyn Driver, n: usize) -> Result<usize> {
         if n > self.gate.cap {
             return Err(crate::Error::invalid(format!(
                 "cannot reserve {n} streams of priority {}: the cap is {} live streams per key",
@@ -1017,7 +997,7 @@ impl Pool {
             if !self.gate.reserve(false) {
                 break;
             }
-            let raw = match bind().and_then(|_| driver.stream_create(self.flags, self.priority)) {
+            let raw = match driver.stream_create(self.flags, self.priority) {
                 Ok(raw) => raw,
                 Err(e) => {
                     self.gate.gone();
@@ -1062,7 +1042,7 @@ impl Pool {
     }
 
     /// Destroys retired streams that are idle until at most [`MAX_IDLE`] (or the reserve) remain.
-    /// The caller runs it in relaxed capture mode.
+    /// Its queries run in relaxed capture mode (the context's device rules).
     fn trim_excess(&self, driver: &dyn Driver) {
         let keep = self.idle_cap();
         for i in 0..self.shards.len() {
@@ -1134,9 +1114,7 @@ impl Pool {
         // next attempt, or is notified here (`waiting` is read after the push, SeqCst).
         self.gate.notify();
         if trim && retired > self.idle_cap() {
-            if let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) {
-                self.trim_excess(driver);
-            }
+            self.trim_excess(driver);
         }
     }
 
@@ -1147,9 +1125,6 @@ impl Pool {
         driver: &dyn Driver,
         slot: Arc<Slot>,
     ) -> std::result::Result<(), Arc<Slot>> {
-        let Ok(_relaxed) = CaptureModeGuard::relaxed(driver) else {
-            return Err(slot);
-        };
         let gen = {
             let mut st = slot.lock();
             // The previous owner is gone and its work has completed: a new generation.
@@ -1181,7 +1156,7 @@ impl Pool {
     }
 
     /// Destroys every retired stream that is idle, but `keep`; with `wait`, first waits for the
-    /// others. Returns how many were destroyed. The caller runs it in relaxed capture mode.
+    /// others. Returns how many were destroyed. Relaxed capture mode: the context's device rules.
     pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool, keep: usize) -> Result<usize> {
         self.take_back_returned();
         let mut n = 0;
@@ -1229,13 +1204,10 @@ impl Pool {
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
         self.take_back_returned();
-        // Without relaxed mode a query could invalidate a capture: then nothing is queried, and
-        // every retired stream counts as busy.
-        let relaxed = CaptureModeGuard::relaxed(driver).ok();
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
-                if relaxed.is_some() && is_idle(driver, slot, &slot.lock()) {
+                if is_idle(driver, slot, &slot.lock()) {
                     idle += 1;
                 } else {
                     busy += 1;

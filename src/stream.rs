@@ -7,7 +7,7 @@
 //! only ever changed by the one thread that holds it.
 
 use crate::context::{host_fn, off_host_fn_thread, Context, Priority};
-use crate::driver::{self, stream_flags, CaptureModeGuard, HostFn};
+use crate::driver::{self, stream_flags, HostFn};
 use crate::error::{Error, Result};
 use crate::pool::Slot;
 use std::any::Any;
@@ -292,8 +292,8 @@ impl<'a> StreamRef<'a> {
     pub fn synchronize(&self) -> Result<()> {
         self.not_capturing("synchronizing")?;
         let d = &*self.ctx.inner.driver;
-        let _relaxed = CaptureModeGuard::relaxed(d)?;
-        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
+        // mode: the device rules.
         unsafe { d.stream_synchronize(self.slot.raw) }
     }
 
@@ -312,8 +312,8 @@ impl<'a> StreamRef<'a> {
     pub fn query(&self) -> Result<bool> {
         self.not_capturing("querying")?;
         let d = &*self.ctx.inner.driver;
-        let _relaxed = CaptureModeGuard::relaxed(d)?;
-        // SAFETY: the holder that this reference borrows holds the stream: it is live.
+        // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
+        // mode: the device rules.
         unsafe { d.stream_query(self.slot.raw) }
     }
 
@@ -454,7 +454,6 @@ impl OwnedStream {
     /// [`Error::InvalidArgument`] for a priority outside the context's range; the driver's error.
     pub fn with_flags(ctx: &Context, priority: Priority, flags: u32) -> Result<OwnedStream> {
         let p = ctx.inner.range.resolve(priority)?;
-        ctx.inner.bind()?;
         let raw = ctx.inner.driver.stream_create(flags, p)?;
         Ok(OwnedStream {
             ctx: ctx.clone(),

@@ -239,7 +239,9 @@ fn attack_04_begin_capture_drops_stale_captured_buffer_under_slot_lock() {
         buf.fill(&s, 1).unwrap(); // registers buf with the capture
                                   // A safe driver call that this thread may not make during its own capture: the capture
                                   // is invalidated (as on the GPU). Any invalidation will do.
-        assert!(ctx.driver().ctx_synchronize().is_err());
+                                  // (The raw driver: the context's own driver runs it in relaxed mode.)
+        ctx.bind().unwrap();
+        assert!(cuda_stream_pool::driver::Driver::ctx_synchronize(&*sim).is_err());
         sim.fail_calls("cuStreamGetCaptureInfo_v3", ErrorCode::ERROR_UNKNOWN, 2);
         let end = g.end();
         sim.clear_faults();

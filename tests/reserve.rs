@@ -31,6 +31,8 @@ fn acquisitions_blocked(d: &Arc<dyn Driver>, trigger: &Trigger, reserve: bool) -
             OWNERS + 1
         );
     }
+    // The raw driver allocates in the current context: the crate leaves none current.
+    ctx.bind().unwrap();
     let word = HostWord::new(d);
     let holder = ctx.owner();
     let s = holder.stream().unwrap();

@@ -8,8 +8,9 @@
 
 mod cuda;
 mod hooked;
-pub(crate) use hooked::HostFnRule;
+mod rules;
 pub use hooked::{Hook, Hooked};
+pub(crate) use rules::{outside_scopes, DeviceRules, Scope};
 pub mod sim;
 
 pub use cuda::CudaDriver;
@@ -910,8 +911,9 @@ impl<'d> CaptureModeGuard<'d> {
     }
 
     /// Switches the calling thread to relaxed mode, in which no call of this thread can
-    /// invalidate a capture (its own or another thread's). Every query, synchronization,
-    /// allocation and free that the crate makes runs under one.
+    /// invalidate a capture (its own or another thread's). Every call of the crate that could
+    /// invalidate a capture runs in relaxed mode (a context's device rules switch it, and
+    /// restore your mode, around each operation): use a guard for raw driver calls of your own.
     ///
     /// ```
     /// use cuda_stream_pool::{driver::{self, CaptureMode, Driver}, Context, CaptureModeGuard};

@@ -6,6 +6,10 @@
 //!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidate (i) every other thread's
 //!   global-mode capture when the calling thread is in global mode, and (ii) the calling
 //!   thread's own global or thread-local capture; a thread in relaxed mode makes them freely.
+//!   So do `cuMemHostAlloc`, `cuMemPoolCreate`, `cuMemPoolSetAttribute` and
+//!   `cuGraphInstantiateWithFlags` (measured on the H200); `cuModuleLoadData` succeeds but
+//!   invalidates the same captures. Any such call made outside relaxed mode while a capture is
+//!   live is noted ([`SimDriver::unrelaxed_calls`]), conflicting or not.
 //!   Creating and destroying (idle) streams and events, recording and waiting on events, host
 //!   functions, memsets, `cuMemGetInfo` and `cuCtxGet/SetCurrent` invalidate nothing.
 //! * Fork/join: an event recorded in a capture and waited on by a stream that is not capturing
@@ -118,10 +122,34 @@ impl SimDriver {
     /// any thread not in relaxed mode conflicts with its own non-relaxed captures. Conflicting
     /// captures are invalidated and the call fails.
     pub(super) fn unsafe_call(&self, st: &mut State, call: &'static str) -> Result<()> {
+        if self.invalidate_conflicts(st, call) {
+            return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED, call);
+        }
+        Ok(())
+    }
+
+    /// A call of the invalidation table that the H200 lets through (a module load): it
+    /// succeeds, but the conflicting captures are invalidated as for [`SimDriver::unsafe_call`].
+    pub(super) fn unsafe_call_succeeds(&self, st: &mut State, call: &'static str) {
+        self.invalidate_conflicts(st, call);
+    }
+
+    /// The rule of [`SimDriver::unsafe_call`]: invalidates the captures that a call of the
+    /// invalidation table made now conflicts with; whether there were any. A call made outside
+    /// relaxed mode while any capture is live is noted ([`SimDriver::unrelaxed_calls`]), whether
+    /// or not it conflicts.
+    fn invalidate_conflicts(&self, st: &mut State, call: &'static str) -> bool {
         let me = std::thread::current().id();
         let mode = self.thread().mode;
         if mode == CaptureMode::Relaxed {
-            return Ok(());
+            return false;
+        }
+        if let Some(c) = st.captures.values().find(|c| !c.invalidated) {
+            let note = format!(
+                "{call} in {mode:?} mode on {me:?} while capture {} ({:?} mode, {:?}) is live",
+                c.id, c.mode, c.thread
+            );
+            st.unrelaxed.push(note);
         }
         let mut hit = false;
         for c in st.captures.values_mut() {
@@ -136,10 +164,7 @@ impl SimDriver {
                 }
             }
         }
-        if hit {
-            return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED, call);
-        }
-        Ok(())
+        hit
     }
 
     /// Querying or synchronizing a capturing stream is illegal and invalidates its capture.
@@ -320,6 +345,8 @@ impl SimDriver {
     /// `graph_instantiate` of the [`Driver`] impl.
     pub(super) fn do_graph_instantiate(&self, graph: Graph) -> Result<GraphExec> {
         let mut st = self.enter("cuGraphInstantiateWithFlags", None, None, None)?;
+        self.need_ctx(&mut st, "cuGraphInstantiateWithFlags")?;
+        self.unsafe_call(&mut st, "cuGraphInstantiateWithFlags")?;
         let Some(g) = st.graphs.get(&graph.0).cloned() else {
             return Self::fail(
                 &mut st,

@@ -78,6 +78,7 @@ impl SimDriver {
     pub(super) fn do_mem_host_alloc(&self, bytes: usize, flags: u32) -> Result<*mut u8> {
         let mut st = self.enter("cuMemHostAlloc", None, None, None)?;
         self.need_ctx(&mut st, "cuMemHostAlloc")?;
+        self.unsafe_call(&mut st, "cuMemHostAlloc")?;
         if bytes == 0 || flags & !0x7 != 0 {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemHostAlloc");
         }

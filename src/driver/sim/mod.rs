@@ -160,6 +160,8 @@ struct State {
     faults: Vec<Fault>,
     calls: u64,
     misuse: Vec<String>,
+    /// Calls of the invalidation table made outside relaxed mode while a capture was live.
+    unrelaxed: Vec<String>,
     counters: SimCounters,
     capture_seq: u64,
     /// Live captures by id.
@@ -321,6 +323,7 @@ impl SimDriver {
                 faults: Vec::new(),
                 calls: 0,
                 misuse: Vec::new(),
+                unrelaxed: Vec::new(),
                 counters: SimCounters::default(),
                 capture_seq: 0,
                 captures: HashMap::new(),
@@ -358,9 +361,11 @@ impl SimDriver {
             .0
     }
 
+    /// The calling thread's current context, or `CUDA_ERROR_INVALID_CONTEXT` when none is
+    /// current or the current one is no longer retained (a released primary context).
     fn need_ctx(&self, st: &mut State, call: &'static str) -> Result<u64> {
         let ctx = self.thread().ctx;
-        if ctx == 0 || !st.contexts.contains_key(&ctx) {
+        if ctx == 0 || st.contexts.get(&ctx).is_none_or(|c| c.1 == 0) {
             Self::fail_last(st);
             return Err(err(ErrorCode::ERROR_INVALID_CONTEXT, call));
         }
@@ -406,6 +411,32 @@ impl SimDriver {
                 .cloned(),
         );
         m
+    }
+
+    /// Calls of the H200's invalidation table (queries, synchronizations, allocations and frees
+    /// on a stream that is not capturing, host allocations, pool creation and attributes, graph
+    /// instantiation, module loads) made outside relaxed capture mode while some capture was live,
+    /// on any thread and in any mode, whether or not the call invalidated it: the crate makes every
+    /// such call in relaxed mode, so a note here from a crate operation is a bug.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{CaptureMode, Driver, SimDriver};
+    /// use cuda_stream_pool::Context;
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let (a, b) = (ctx.owner(), ctx.owner());
+    /// let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    /// let g = s.begin_capture_with(CaptureMode::ThreadLocal).unwrap();
+    /// t.query().unwrap();                           // the crate: relaxed
+    /// assert!(sim.unrelaxed_calls().is_empty());
+    /// // SAFETY: `t` is held by `b`: live.
+    /// let _ = unsafe { sim.stream_query(t.raw()) };  // this thread is in global mode
+    /// assert_eq!(sim.unrelaxed_calls().len(), 1);
+    /// drop(g);
+    /// ```
+    pub fn unrelaxed_calls(&self) -> Vec<String> {
+        self.lock().unrelaxed.clone()
     }
 
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
@@ -844,6 +875,8 @@ impl Driver for SimDriver {
 
     fn mem_pool_create(&self, dev: Device) -> Result<MemPool> {
         let mut st = self.enter("cuMemPoolCreate", None, None, None)?;
+        self.need_ctx(&mut st, "cuMemPoolCreate")?;
+        self.unsafe_call(&mut st, "cuMemPoolCreate")?;
         if dev.0 >= self.cfg.devices as u64 {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemPoolCreate");
         }
@@ -871,6 +904,7 @@ impl Driver for SimDriver {
         value: u64,
     ) -> Result<()> {
         let mut st = self.enter("cuMemPoolSetAttribute", None, None, None)?;
+        self.unsafe_call(&mut st, "cuMemPoolSetAttribute")?;
         if !st.pools.contains_key(&pool.0) || attr != MemPoolAttr::ReleaseThreshold {
             return Self::fail(
                 &mut st,
@@ -1088,6 +1122,8 @@ impl Driver for SimDriver {
     fn module_load_data(&self, image: &CStr) -> Result<Module> {
         let mut st = self.enter("cuModuleLoadData", None, None, None)?;
         self.need_ctx(&mut st, "cuModuleLoadData")?;
+        // Measured on the H200: the load succeeds, the conflicting captures are invalidated.
+        self.unsafe_call_succeeds(&mut st, "cuModuleLoadData");
         if !image.to_bytes().windows(8).any(|w| w == b".version") {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_PTX, "cuModuleLoadData");
         }

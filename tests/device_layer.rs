@@ -1,0 +1,429 @@
+//! The device layer below the pool: every driver call of a context runs under the same rules,
+//! whichever operation makes it. Calls of the H200's invalidation table run in relaxed capture
+//! mode (no capture of any thread is invalidated by the crate), the context is made current for
+//! the call and the caller's current context is restored, and nothing is called on a
+//! host-function thread.
+
+mod common;
+
+use common::ForeignCapture;
+use cuda_stream_pool::driver::{CaptureMode, Driver, SimConfig, SimDriver};
+use cuda_stream_pool::kernels::Kernels;
+use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode};
+use std::sync::Arc;
+
+fn capture_intact(r: cuda_stream_pool::Result<cuda_stream_pool::driver::Graph>) {
+    match r {
+        Ok(_) => {}
+        Err(e) => panic!("the foreign capture was invalidated by the crate: {e}"),
+    }
+}
+
+/// A context, a stream `s` that another thread captures in global mode, and a stream `t` of
+/// the crate that the operation under test uses.
+fn with_foreign_capture(
+    d: &Arc<dyn Driver>,
+    op: impl FnOnce(&Context, &cuda_stream_pool::StreamRef<'_>),
+) {
+    let ctx = common::ctx(d);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    op(&ctx, &t);
+    capture_intact(fc.end());
+}
+
+// Regression: issue 19 defect 8 (the hub's cuMemHostAlloc outside relaxed mode kills a capture)
+fn completed_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |_, t| {
+        let done = t.completed().unwrap();
+        t.synchronize().unwrap();
+        assert!(done.is_complete());
+    });
+}
+
+// Regression: issue 19 defect 8 (to_vec_async's staging cuMemHostAlloc kills a capture)
+fn to_vec_async_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    let buf = DeviceBuffer::<u32>::zeroed(&t, 64).unwrap();
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    let copy = buf.to_vec_async(&t).unwrap();
+    t.synchronize().unwrap();
+    capture_intact(fc.end());
+    drop(copy);
+}
+
+// Regression: issue 19 defect 9 (Context::primary's cuMemPoolCreate kills a capture)
+fn primary_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |_, _| {
+        let other = Context::primary(d.clone(), 0).unwrap();
+        drop(other);
+    });
+}
+
+// Regression: issue 19 defect 9 (set_release_threshold's cuMemPoolSetAttribute kills a capture)
+fn set_release_threshold_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |ctx, _| ctx.set_release_threshold(1 << 20).unwrap());
+}
+
+// Regression: issue 19 defect 9 (Graph::instantiate kills a capture)
+fn instantiate_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    let mut buf = DeviceBuffer::<u32>::zeroed(&t, 64).unwrap();
+    let g = t.begin_capture().unwrap();
+    buf.fill(&t, 7).unwrap();
+    let graph = g.end().unwrap();
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    let exec = graph.instantiate().unwrap();
+    capture_intact(fc.end());
+    exec.launch(&t).unwrap();
+    assert_eq!(buf.to_vec(&t).unwrap(), vec![7; 64]);
+}
+
+// Regression: issue 19 defect 9 (Kernels::load returns Ok but the capture is dead)
+fn kernels_load_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |ctx, t| {
+        let k = Kernels::load(ctx).unwrap();
+        let buf = DeviceBuffer::<f32>::zeroed(t, 16).unwrap();
+        k.add_one(t, &buf).unwrap();
+        assert_eq!(buf.to_vec(t).unwrap(), vec![1.0; 16]);
+    });
+}
+
+on_both_drivers! {
+    completed_keeps_foreign_capture,
+    to_vec_async_keeps_foreign_capture,
+    primary_keeps_foreign_capture,
+    set_release_threshold_keeps_foreign_capture,
+    instantiate_keeps_foreign_capture,
+    kernels_load_keeps_foreign_capture,
+}
+
+// Regression: issue 19 defect 12 (Context::primary inside a host function calls cuInit)
+#[test]
+fn primary_in_a_host_function_refuses_before_any_driver_call() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d: Arc<dyn Driver> = sim.clone();
+    let calls = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = calls.clone();
+    let probe = sim.clone();
+    s.launch_host_func(move || {
+        let before = probe.call_count();
+        let r = Context::primary(d, 0).map(|_| ());
+        seen.store(
+            probe.call_count() - before,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        let _ = tx.send(r.err().and_then(|e| e.code()));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(rx.recv().unwrap(), Some(ErrorCode::ERROR_NOT_PERMITTED));
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert!(
+        sim.misuse().is_empty(),
+        "the driver was called from a host function: {:?}",
+        sim.misuse()
+    );
+}
+
+/// Every public operation of one context, once (each result checked).
+fn every_operation(d: &Arc<dyn Driver>, ctx: &Context, check: &mut dyn FnMut(&str)) {
+    let other = Context::primary(d.clone(), 0).unwrap();
+    check("Context::primary");
+    drop(other);
+    check("Context drop");
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    check("Owner::stream");
+    let mut buf = DeviceBuffer::<f32>::zeroed(&s, 64).unwrap();
+    check("DeviceBuffer::zeroed");
+    buf.copy_from_host(&s, &[2.0; 64]).unwrap();
+    check("copy_from_host");
+    assert_eq!(buf.to_vec(&s).unwrap(), vec![2.0; 64]);
+    check("to_vec");
+    let copy = buf.to_vec_async(&s).unwrap();
+    check("to_vec_async");
+    let done = s.completed().unwrap();
+    check("completed");
+    s.synchronize().unwrap();
+    check("synchronize");
+    assert!(s.query().unwrap());
+    check("query");
+    assert!(done.is_complete());
+    drop(copy);
+    let k = Kernels::load(ctx).unwrap();
+    check("Kernels::load");
+    k.add_one(&s, &buf).unwrap();
+    check("add_one");
+    let g = s.begin_capture_with(CaptureMode::ThreadLocal).unwrap();
+    k.add_one(&s, &buf).unwrap();
+    let graph = g.end().unwrap();
+    check("capture");
+    let exec = graph.instantiate().unwrap();
+    check("instantiate");
+    exec.launch(&s).unwrap();
+    check("launch");
+    assert_eq!(buf.to_vec(&s).unwrap(), vec![4.0; 64]);
+    drop(exec);
+    check("GraphExec drop");
+    drop(k);
+    check("Kernels drop");
+    drop(buf);
+    check("DeviceBuffer drop");
+    ctx.set_release_threshold(1 << 20).unwrap();
+    check("set_release_threshold");
+    ctx.reserve(cuda_stream_pool::Priority::High, 2).unwrap();
+    check("reserve");
+    let _ = ctx.stats();
+    check("stats");
+    ctx.synchronize().unwrap();
+    check("Context::synchronize");
+    drop(s);
+    drop(o);
+    check("Owner drop");
+    ctx.trim().unwrap();
+    check("trim");
+}
+
+// Regression: issue 19 defect 16 (every operation leaves the crate's context current)
+#[test]
+fn every_operation_restores_the_callers_current_context() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let d: Arc<dyn Driver> = sim.clone();
+    let mine = Context::primary(d.clone(), 1).unwrap();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    // SAFETY: `mine` keeps its primary context retained.
+    unsafe { sim.ctx_set_current(mine.raw()) }.unwrap();
+    every_operation(&d, &ctx, &mut |op| {
+        assert_eq!(
+            sim.ctx_get_current().unwrap(),
+            mine.raw(),
+            "{op} left another context current"
+        );
+    });
+    drop(ctx);
+    assert_eq!(sim.ctx_get_current().unwrap(), mine.raw(), "teardown");
+}
+
+// Regression: issue 19 defect 16 (on a thread with no current context, none is left current)
+#[test]
+fn operations_leave_no_context_current_on_a_fresh_thread() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            every_operation(&d, &ctx, &mut |op| {
+                assert!(
+                    sim.ctx_get_current().unwrap().is_null(),
+                    "{op} left a context current"
+                );
+            });
+        });
+    });
+}
+
+// Regression: issue 19 defects 8 and 9 (the invalidation table applied call site by call site)
+#[test]
+fn no_invalidating_call_outside_relaxed_mode_while_a_capture_is_live() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let fc = ForeignCapture::new(&d, ctx.raw(), s.raw());
+    every_operation(&d, &ctx, &mut |op| {
+        let bad = sim.unrelaxed_calls();
+        assert!(bad.is_empty(), "{op}: {bad:?}");
+    });
+    capture_intact(fc.end());
+    drop(s);
+    drop(o);
+    drop(ctx);
+    assert!(
+        sim.unrelaxed_calls().is_empty(),
+        "teardown: {:?}",
+        sim.unrelaxed_calls()
+    );
+}
+
+// The sim's check itself: a call of the table made outside relaxed mode is reported.
+#[test]
+fn the_sim_reports_an_unrelaxed_invalidating_call() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    let fc = ForeignCapture::new(&d, ctx.raw(), s.raw());
+    // SAFETY: `t` is held by `b`: live.
+    let r = unsafe { sim.stream_query(t.raw()) };
+    assert_eq!(
+        r.unwrap_err().code(),
+        Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    );
+    assert_eq!(sim.unrelaxed_calls().len(), 1);
+    assert!(fc.end().is_err());
+}
+
+// Each of the table's calls that the sim now applies: outside relaxed mode, during a foreign
+// global capture, it invalidates the capture (module loads succeed and still invalidate).
+#[test]
+fn the_sim_applies_the_invalidation_table_to_host_alloc_pools_instantiate_and_module_loads() {
+    type Call = fn(&dyn Driver) -> bool;
+    let calls: [(&str, Call); 4] = [
+        ("cuMemHostAlloc", |d| d.mem_host_alloc(64, 0).is_err()),
+        ("cuMemPoolCreate", |d| {
+            d.mem_pool_create(d.device_get(0).unwrap()).is_err()
+        }),
+        ("cuMemPoolSetAttribute", |d| {
+            let pool = d.device_default_mem_pool(d.device_get(0).unwrap()).unwrap();
+            // SAFETY: the default pool lives as long as the driver.
+            unsafe {
+                d.mem_pool_set_attribute(
+                    pool,
+                    cuda_stream_pool::driver::MemPoolAttr::ReleaseThreshold,
+                    0,
+                )
+            }
+            .is_err()
+        }),
+        ("cuModuleLoadData", |d| {
+            let ptx = cuda_stream_pool::kernels::PTX.as_bytes();
+            d.module_load_data(std::ffi::CStr::from_bytes_with_nul(ptx).unwrap())
+                .is_ok()
+        }),
+    ];
+    for (name, call) in calls {
+        let d = common::sim();
+        let e = common::Env::new(&d);
+        let s = e.stream();
+        let fc = ForeignCapture::new(&d, e.ctx, s);
+        assert!(call(&*d), "{name}: unexpected result");
+        assert!(fc.end().is_err(), "{name} left the foreign capture intact");
+    }
+}
+
+// The cost of the rules: one alloc + drop of a buffer makes one pair of mode exchanges each and
+// no context switch, whether no context or another one is current on the thread.
+#[test]
+fn alloc_and_drop_make_one_mode_exchange_pair_and_no_context_switch() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let other = Context::primary(sim.clone(), 1).unwrap();
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    drop(DeviceBuffer::<f32>::alloc(&s, 16).unwrap());
+    for bind_other in [false, true] {
+        if bind_other {
+            other.bind().unwrap();
+        }
+        sim.clear_calls();
+        let b = DeviceBuffer::<f32>::alloc(&s, 16).unwrap();
+        let alloc: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+        sim.clear_calls();
+        drop(b);
+        let free: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+        eprintln!("another context current: {bind_other}\nalloc: {alloc:?}\nfree: {free:?}");
+        for calls in [&alloc, &free] {
+            let exchanges = calls
+                .iter()
+                .filter(|c| **c == "cuThreadExchangeStreamCaptureMode")
+                .count();
+            assert_eq!(exchanges, 2, "{calls:?}");
+            assert!(!calls.contains(&"cuCtxSetCurrent"), "{calls:?}");
+            assert_eq!(calls.len(), 3, "{calls:?}");
+        }
+    }
+}
+
+// The device layer restores the caller's capture mode, set with the caller's own guard.
+#[test]
+fn every_operation_keeps_the_callers_capture_mode() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    for mode in [
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+        CaptureMode::Global,
+    ] {
+        let _mine = cuda_stream_pool::CaptureModeGuard::new(&*sim, mode).unwrap();
+        every_operation(&d, &ctx, &mut |op| {
+            let now = sim.thread_exchange_capture_mode(mode).unwrap();
+            assert_eq!(now, mode, "{op} changed the thread's capture mode");
+        });
+    }
+}
+
+/// A hook that panics at one call, to unwind through the crate's scopes.
+struct PanicAt(&'static str);
+impl cuda_stream_pool::driver::Hook for PanicAt {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        if call == self.0 {
+            panic!("the test's hook panics at {call}");
+        }
+        Ok(())
+    }
+}
+
+// The device layer's scopes are guards: they restore the thread's state when a call unwinds.
+#[test]
+fn a_panic_inside_an_operation_restores_mode_and_context() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let mine = Context::primary(sim.clone(), 1).unwrap();
+    let hooked: Arc<dyn Driver> = Arc::new(cuda_stream_pool::driver::Hooked {
+        inner: sim.clone(),
+        hook: PanicAt("cuMemFreeAsync"),
+    });
+    let ctx = Context::primary(hooked, 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    mine.bind().unwrap();
+    let _guard = cuda_stream_pool::CaptureModeGuard::new(&*sim, CaptureMode::ThreadLocal).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(b)));
+    assert!(r.is_err(), "the hook did not panic");
+    assert_eq!(sim.ctx_get_current().unwrap(), mine.raw());
+    assert_eq!(
+        sim.thread_exchange_capture_mode(CaptureMode::ThreadLocal)
+            .unwrap(),
+        CaptureMode::ThreadLocal
+    );
+}
+
+// Switches nest: an operation that makes several relaxed calls switches the mode once.
+#[test]
+fn an_operation_with_several_queries_makes_one_mode_exchange_pair() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
+    for o in &owners {
+        o.stream().unwrap();
+    }
+    drop(owners);
+    sim.clear_calls();
+    assert_eq!(ctx.stats().idle, 3);
+    let names: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+    let count = |n: &str| names.iter().filter(|c| **c == n).count();
+    assert_eq!(count("cuStreamQuery"), 3, "{names:?}");
+    assert_eq!(count("cuThreadExchangeStreamCaptureMode"), 2, "{names:?}");
+}
