@@ -526,7 +526,12 @@ impl Future for OwnerReady {
         let ci = &owner.ctx.inner;
         let (p, flags) = (owner.inner.borrow().current, owner.flags);
         let pool = ci.pool(p, flags);
-        match pool.poll_acquire(&*ci.driver, &|| ci.bind(), &mut this.ticket, cx) {
+        if this.ticket.is_none() && pool.lent_out() > 0 {
+            // Parked loans that ended come back first (they count against the cap).
+            ci.reclaim_loans();
+        }
+        let reclaim = || ci.reclaim_loans();
+        match pool.poll_acquire(&*ci.driver, &|| ci.bind(), &reclaim, &mut this.ticket, cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err(e)) => {
                 this.owner = None;

@@ -184,5 +184,8 @@ fn dropping_the_context_keeps_cudarc_ordering_while_streams_are_lent() {
     cs_b.synchronize().unwrap();
     let v = cs_a.clone_dtoh(&y).unwrap();
     let hit = v.iter().filter(|&&e| e != 0.0).count();
-    assert_eq!(hit, 0, "{hit} of {n} words of a reallocated slice were overwritten");
+    assert_eq!(
+        hit, 0,
+        "{hit} of {n} words of a reallocated slice were overwritten"
+    );
 }
