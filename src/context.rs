@@ -742,7 +742,9 @@ impl Context {
         self.inner.driver.ctx_synchronize()
     }
 
-    /// Counters summed over every pool of this context.
+    /// Counters summed over every pool of this context. Reading them first destroys, in each
+    /// pool, the idle streams beyond [`crate::MAX_IDLE`] (or the reserve), as a release does:
+    /// streams that were busy when released and have completed since.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};

@@ -8,7 +8,7 @@
 //! between tasks serializes their work and makes one task wait for another. This crate keeps the
 //! streams of finished work in a pool and hands a stream to the next unit of work only once the
 //! previous owner is gone **and** its GPU work has completed. Concurrent owners never share a
-//! stream, and at most 32 idle streams per (priority, flags) are kept.
+//! stream, and at most 32 idle streams per (priority, flags) are kept (exactly when: [`MAX_IDLE`]).
 //!
 //! ```
 //! use cuda_stream_pool::{driver, Context, DeviceBuffer};

@@ -790,17 +790,20 @@ impl Pool {
     /// the context parks it. It still counts against the cap (and in `in_use`): a waiter at the
     /// cap waits for it to come back, looking for the loan's end every [`LOAN_POLL`].
     pub(crate) fn park_lent(&self) {
-        self.lent.fetch_add(1, Ordering::AcqRel);
+        // SeqCst with the gate's `waiting`: a waiter that parked without a timeout (no loan was
+        // parked then) is notified, and polls from then on.
+        self.lent.fetch_add(1, Ordering::SeqCst);
+        self.gate.notify();
     }
 
     /// A stream parked by [`Pool::park_lent`] comes back (its loan ended).
     pub(crate) fn unpark_lent(&self) {
-        self.lent.fetch_sub(1, Ordering::AcqRel);
+        self.lent.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Streams of the key parked while lent.
     pub(crate) fn lent_out(&self) -> usize {
-        self.lent.load(Ordering::Acquire)
+        self.lent.load(Ordering::SeqCst)
     }
 
     /// A held stream leaves the pool's accounting for good: its borrower returned it still
