@@ -154,8 +154,10 @@ impl Default for MemPoolChoice {
 /// at most one stream per key for each owner that holds several priorities at once.
 ///
 /// What the crate cannot see: a thread that holds `cap` streams of a key through other owners
-/// (or `OwnedStream`-like structures of its own that keep owners alive) and then asks for one
-/// more of that key on the same thread waits for itself. Hold one owner per unit of work, or use
+/// (or `OwnedStream`-like structures of its own that keep owners alive, or handles of streams
+/// lent to another crate, such as cudarc slices, which count against the cap after their owner is
+/// gone: [`crate::StreamRef::lend`]) and then asks for one more of that key on the same thread
+/// waits for itself. Hold one owner per unit of work, or use
 /// [`crate::Owner::ready`] in async code, where the holders run on.
 ///
 /// ## The default
@@ -381,9 +383,10 @@ impl Context {
     ///
     /// # Safety
     /// `raw` must be a live context of `driver` and stay alive for as long as this state and
-    /// everything made from it (owners, streams, buffers, graphs) live. Pass what keeps it alive
-    /// (for example the other crate's `Arc`) as `keep_alive`: it is dropped after this state's
-    /// teardown.
+    /// everything made from it (owners, streams, buffers, graphs, and loans of its streams:
+    /// [`crate::StreamRef::lend`]) live. Pass what keeps it alive (for example the other crate's
+    /// `Arc`) as `keep_alive`: it is dropped after this state's teardown, which waits for every
+    /// loan of its streams to end.
     ///
     /// ```
     /// use cuda_stream_pool::{driver, Context};
@@ -450,6 +453,7 @@ impl Context {
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
         options: ContextOptions,
     ) -> Result<Context> {
+        reap_lingering();
         if options.max_live_streams_per_key == Some(0) {
             return Err(Error::invalid(
                 "a cap of 0 live streams per key would make every acquisition wait forever",
@@ -597,7 +601,11 @@ impl Context {
     /// Reserved streams are kept: the pool of the key keeps up to `n` idle streams from now on
     /// instead of [`crate::MAX_IDLE`] (the larger of the two), and [`Context::trim`] leaves `n`.
     /// With a cap, `n` may not exceed it; `reserve(p, cap)` with the cap makes every acquisition
-    /// either take a reserved stream or wait for one.
+    /// of an owner's first stream either take a reserved stream or wait for one (on a
+    /// host-function thread, fail instead of waiting). An owner that
+    /// already holds a stream of another key (another priority, [`crate::Owner::set_priority`])
+    /// never waits: when no reserved stream of the key is idle it creates one beyond the cap
+    /// (counted in [`crate::PoolStats::over_cap`]), as without a reserve.
     ///
     /// Why: on the H200, creating a stream can block in `cuStreamCreate` behind other streams'
     /// GPU work. With one stream held by a GPU-side wait (`cuStreamWaitValue32` on host memory),
@@ -754,7 +762,9 @@ impl Context {
         self.inner.driver.ctx_synchronize()
     }
 
-    /// Counters summed over every pool of this context.
+    /// Counters summed over every pool of this context. Reading them first destroys, in each
+    /// pool, the idle streams beyond [`crate::MAX_IDLE`] (or the reserve), as a release does:
+    /// streams that were busy when released and have completed since.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -989,8 +999,20 @@ impl CtxInner {
         } else {
             mode
         };
+        if pool.lent_out() > 0 && mode != Mode::Fail {
+            // Parked loans that ended come back first (they count against the cap).
+            self.flush_deferred();
+        }
         let _scope = self.scope();
-        pool.acquire(&*self.driver, mode)
+        pool.acquire(&*self.driver, &|| self.reclaim_loans(), mode)
+    }
+
+    /// Brings back the parked streams whose loan ended (with the rest of a flush): what a
+    /// waiter at a cap calls now and then while streams of its key are parked lent.
+    pub(crate) fn reclaim_loans(&self) {
+        if !on_host_fn_thread() {
+            self.flush_deferred();
+        }
     }
 
     /// Gives a stream back to its pool, then trims the pool and retries pending frees (not on a
@@ -1009,8 +1031,8 @@ impl CtxInner {
                 LoanEnd::Returned => {}
                 LoanEnd::Out => {
                     if !parked {
-                        // Leaves the cap's accounting until the loan ends.
-                        pool.forget_lent();
+                        // Still counted against the cap (and in use) until the loan ends.
+                        pool.park_lent();
                     }
                     self.park(Some(pool.clone()), slot);
                     // Streams parked earlier may have come back meanwhile.
@@ -1020,16 +1042,17 @@ impl CtxInner {
                     return;
                 }
                 LoanEnd::Stuck => {
-                    // Never used again (leaked): no longer counted.
-                    if !parked {
-                        pool.forget_lent();
+                    // Never used again (leaked): no longer counted against the cap.
+                    if parked {
+                        pool.unpark_lent();
                     }
+                    pool.forget_lent();
                     return;
                 }
             }
             if parked {
-                // A parked stream whose loan ended: counted again.
-                pool.readopt_lent();
+                // A parked stream whose loan ended: back in the pool below.
+                pool.unpark_lent();
             }
         }
         pool.release(&*self.driver, slot, driver_ok);
@@ -1256,6 +1279,7 @@ impl CtxInner {
     /// Retries the frees that could not be enqueued: each is either enqueued, ordered, or kept.
     /// Then destroys the kept streams that are idle now.
     pub(crate) fn flush_deferred(&self) {
+        reap_lingering();
         if self.deferred_len.load(Ordering::Acquire) == 0 {
             return;
         }
@@ -1316,6 +1340,91 @@ impl CtxInner {
     }
 }
 
+impl CtxInner {
+    /// Moves the whole state out (for a teardown elsewhere or later); `self` is left torn down
+    /// (its own drop does nothing).
+    fn take_state(&mut self) -> CtxInner {
+        let moved = CtxInner {
+            id: self.id,
+            driver: self.driver.clone(),
+            rules: self.rules.clone(),
+            raw: self.raw,
+            device: self.device,
+            primary: self.primary,
+            range: self.range,
+            options: self.options,
+            pools: std::mem::take(&mut self.pools),
+            other_pools: RwLock::new(std::mem::take(
+                self.other_pools
+                    .get_mut()
+                    .unwrap_or_else(|p| p.into_inner()),
+            )),
+            disposal: self.disposal.clone(),
+            mem_pool: self.mem_pool,
+            own_pool: self.own_pool,
+            events: Mutex::new(std::mem::take(
+                self.events.get_mut(),
+            )),
+            deferred: Mutex::new(std::mem::take(
+                self.deferred.get_mut(),
+            )),
+            deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
+            orphans: Mutex::new(std::mem::take(
+                self.orphans.get_mut(),
+            )),
+            lent: Mutex::new(std::mem::take(
+                self.lent.get_mut(),
+            )),
+            kept_host: Mutex::new(std::mem::take(
+                self.kept_host.get_mut(),
+            )),
+            _keep_alive: self._keep_alive.take(),
+            torn_down: false,
+            hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
+        };
+        self.torn_down = true;
+        moved
+    }
+}
+
+/// States whose teardown found streams still lent to another crate: kept whole (the context,
+/// its retain or what keeps an adopted one alive, cudarc's keeper stream, the lent streams), so
+/// that what a loan relies on lives as long as the loan. Torn down again by a later call of the
+/// crate (any context's flush, a new context) once a loan of theirs has ended; leaked if that
+/// never happens.
+static LINGERING: Mutex<Vec<CtxInner>> = Mutex::new(Vec::new());
+/// `LINGERING.len()`, readable without its lock: the fast path of every flush.
+static LINGERING_LEN: AtomicUsize = AtomicUsize::new(0);
+
+/// Tears down again the lingering states of which a loan has ended (a state whose loans are
+/// still out lingers again). Not on a host-function thread.
+pub(crate) fn reap_lingering() {
+    if LINGERING_LEN.load(Ordering::Acquire) == 0 || on_host_fn_thread() {
+        return;
+    }
+    let ended: Vec<CtxInner> = {
+        let mut list = LINGERING.lock();
+        let (ended, out): (Vec<_>, Vec<_>) = std::mem::take(&mut *list)
+            .into_iter()
+            .partition(CtxInner::a_loan_ended);
+        *list = out;
+        LINGERING_LEN.store(list.len(), Ordering::Release);
+        ended
+    };
+    // Outside the lock: a teardown that still finds a loan out lingers again.
+    drop(ended);
+}
+
+impl CtxInner {
+    /// Whether a stream parked while lent has been returned by its borrower (no driver call).
+    fn a_loan_ended(&self) -> bool {
+        self.lent
+            .lock()
+            .iter()
+            .any(|(_, slot)| slot.loan_ended())
+    }
+}
+
 impl Drop for CtxInner {
     fn drop(&mut self) {
         if self.torn_down {
@@ -1323,35 +1432,7 @@ impl Drop for CtxInner {
         }
         if on_host_fn_thread() {
             // The teardown waits for the GPU and calls the driver: move it off this thread.
-            let moved = CtxInner {
-                id: self.id,
-                driver: self.driver.clone(),
-                rules: self.rules.clone(),
-                raw: self.raw,
-                device: self.device,
-                primary: self.primary,
-                range: self.range,
-                options: self.options,
-                pools: std::mem::take(&mut self.pools),
-                other_pools: RwLock::new(std::mem::take(
-                    self.other_pools
-                        .get_mut()
-                        .unwrap_or_else(|p| p.into_inner()),
-                )),
-                disposal: self.disposal.clone(),
-                mem_pool: self.mem_pool,
-                own_pool: self.own_pool,
-                events: Mutex::new(std::mem::take(self.events.get_mut())),
-                deferred: Mutex::new(std::mem::take(self.deferred.get_mut())),
-                deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
-                orphans: Mutex::new(std::mem::take(self.orphans.get_mut())),
-                lent: Mutex::new(std::mem::take(self.lent.get_mut())),
-                kept_host: Mutex::new(std::mem::take(self.kept_host.get_mut())),
-                _keep_alive: self._keep_alive.take(),
-                torn_down: false,
-                hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
-            };
-            self.torn_down = true;
+            let moved = self.take_state();
             off_host_fn_thread(move || drop(moved));
             return;
         }
@@ -1370,6 +1451,20 @@ impl Drop for CtxInner {
             let _ = p.drain(&*self.driver, true, 0);
         }
         self.flush(true);
+        if !self
+            .lent
+            .get_mut()
+            .is_empty()
+        {
+            // Streams are still lent: what they rely on (this context, its retain or
+            // keep-alive, cudarc's keeper stream) stays until a later call of the crate finds
+            // their loans ended and tears the state down again.
+            let moved = self.take_state();
+            let mut list = LINGERING.lock();
+            list.push(moved);
+            LINGERING_LEN.store(list.len(), Ordering::Release);
+            return;
+        }
         if let Some(h) = self.hub.get() {
             // Every stream has been drained: the completions' writes and copies have landed.
             h.shutdown();
@@ -1399,10 +1494,8 @@ impl Drop for CtxInner {
             // outstanding (frees in flight, or leaked above) until they are freed.
             let _ = unsafe { self.driver.mem_pool_destroy(self.mem_pool) };
         }
-        // A stream still lent to another crate lives in this context: releasing the primary
-        // context could destroy it under the borrower (the last release does). Keep the retain.
-        let loans_out = !self.lent.get_mut().is_empty();
-        if self.primary && !loans_out {
+        // (No stream is lent any more: a state with loans out lingers, above.)
+        if self.primary {
             // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }

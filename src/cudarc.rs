@@ -6,7 +6,9 @@
 //!
 //! * [`Context::from_cudarc`] keeps cudarc's `Arc<CudaContext>` alive for as long as the crate's
 //!   state lives, and puts cudarc in its multi-stream mode (cudarc then orders its own slices
-//!   across streams with events, pooled streams included).
+//!   across streams with events, pooled streams included). Both last as long as any stream of
+//!   the state is lent, even after the last [`Context`] is dropped (the state's teardown waits
+//!   for the loans: see [`StreamRef::lend`]).
 //! * [`StreamRef::cudarc_stream`] lends the stream ([`StreamRef::lend`]): whatever cudarc keeps
 //!   of it (its slices hold an `Arc<CudaStream>`) keeps the stream out of the pool, so no work
 //!   or free that cudarc enqueues later can land on a stream handed to another owner. Once the

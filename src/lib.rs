@@ -8,7 +8,7 @@
 //! between tasks serializes their work and makes one task wait for another. This crate keeps the
 //! streams of finished work in a pool and hands a stream to the next unit of work only once the
 //! previous owner is gone **and** its GPU work has completed. Concurrent owners never share a
-//! stream, and at most 32 idle streams per (priority, flags) are kept.
+//! stream, and at most 32 idle streams per (priority, flags) are kept (exactly when: [`MAX_IDLE`]).
 //!
 //! ```
 //! use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -129,7 +129,11 @@
 //!   buffer's use lock: other threads' uses of that buffer block.
 //! * A stream lent to another crate ([`StreamRef::lend`], cudarc's `Arc<CudaStream>`) stays out
 //!   of the pool while any handle of it lives, even after its owner is gone, and is never
-//!   destroyed then (nor the primary context released at teardown). A capture that the borrower
+//!   destroyed then; it counts against its key's cap until it comes back. What a loan relies on
+//!   lives as long as the loan, even when the [`Context`] is dropped first: the state's teardown
+//!   then waits (without blocking: the state is kept aside) and keeps the context (the primary
+//!   context's retain, or what keeps an adopted one alive, with cudarc's keeper stream and so its
+//!   multi-stream mode) until a later call of the crate finds the loans ended. A capture that the borrower
 //!   begins on it from *another* thread while the owner's thread uses it through the crate races
 //!   with the crate's capture check, as any two threads sharing one CUDA stream do.
 //! * Inside the crate's host functions (and code they run, such as an [`Owner`] moved into one)

@@ -526,8 +526,13 @@ impl Future for OwnerReady {
         let ci = &owner.ctx.inner;
         let (p, flags) = (owner.inner.borrow().current, owner.flags);
         let pool = ci.pool(p, flags);
+        if this.ticket.is_none() && pool.lent_out() > 0 {
+            // Parked loans that ended come back first (they count against the cap).
+            ci.reclaim_loans();
+        }
+        let reclaim = || ci.reclaim_loans();
         let scope = ci.scope();
-        let polled = pool.poll_acquire(&*ci.driver, &mut this.ticket, cx);
+        let polled = pool.poll_acquire(&*ci.driver, &reclaim, &mut this.ticket, cx);
         drop(scope);
         match polled {
             Poll::Pending => Poll::Pending,

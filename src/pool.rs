@@ -24,9 +24,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 
-/// Idle streams kept per (priority, flags) key. A release that leaves more retired streams
-/// than this destroys idle ones until at most this many remain; a stream still busy when it is
-/// released is destroyed by the next release or acquire of its key once it is idle.
+/// Idle streams kept per (priority, flags) key (or the key's reserve, when larger: see
+/// [`crate::Context::reserve`]).
+///
+/// Exactly what holds: each acquisition, release and statistics reading of a key
+/// ([`crate::Context::stats`]), outside host functions, destroys idle retired streams of the key
+/// until at most this many retired streams remain or none of the rest is idle. A stream still
+/// busy at that moment is kept (retired, counted in [`PoolStats::retired_busy`]) and destroyed by
+/// the next of these operations that finds it idle. So every statistics reading reports at most
+/// this many idle streams per key (unless streams complete while it reads them), and after
+/// the key's next acquisition or release at most this many retired streams are alive; in
+/// between, the driver's count of live streams can exceed it by the streams that were busy at the
+/// key's last operation (their work completed since, with no call of the crate to notice).
 pub const MAX_IDLE: usize = 32;
 
 /// A resource that a capture on this stream uses and that the resulting graph must keep alive
@@ -37,6 +46,11 @@ pub(crate) type CapturedUse = Arc<dyn Any + Send + Sync>;
 /// While anyone but the slot holds a clone of it, the stream is neither handed to another owner
 /// nor destroyed (see [`Slot::loan_returned`]).
 pub(crate) type Loan = Arc<dyn Any + Send + Sync>;
+
+/// How often a waiter at a cap looks for loans that ended while their streams' owners were gone
+/// (nothing tells the crate when another crate drops its last handle): only while such a loan of
+/// the waiter's key is out.
+const LOAN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
 /// never by its handle value (handles are reused after destroy).
@@ -224,6 +238,14 @@ impl Slot {
         Ok(a)
     }
 
+    /// Whether the loan would be found returned by [`Slot::loan_returned`] (nobody but the slot
+    /// holds its handle), without ending it. Never stale once true (see there).
+    pub(crate) fn loan_ended(&self) -> bool {
+        let l = self.loan.lock();
+        l.as_ref()
+            .is_none_or(|a| Arc::strong_count(a) == 1 && Arc::weak_count(a) == 0)
+    }
+
     /// Whether a handle of this stream is (or may still be) held by another crate, which can
     /// enqueue work on it and begin or end captures of it behind the crate's back.
     pub(crate) fn is_lent(&self) -> bool {
@@ -272,10 +294,12 @@ impl Slot {
 
 /// Counters of one pool or of a whole context ([`crate::Context::stats`]).
 ///
-/// `live`, `in_use`, `created`, `destroyed` and `handed` come from counters; `idle` and
-/// `retired_busy` from the pool's lists and a query of each retired stream. At a quiescent point
-/// (no thread in the crate) `live == in_use + idle + retired_busy + handed`, which checks the
-/// counters against the lists. Under concurrent use each figure is a momentary reading that never underflows.
+/// `live`, `in_use`, `created`, `destroyed`, `handed` and `lent` come from counters; `idle` and
+/// `retired_busy` from the pool's lists and a query of each retired stream (a reading first
+/// destroys the idle streams beyond [`MAX_IDLE`], as releases do). At a quiescent point (no
+/// thread in the crate) `live == in_use + idle + retired_busy + handed` (`lent` streams are part
+/// of `in_use`), which checks the counters against the lists. Under concurrent use each figure is
+/// a momentary reading that never underflows.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
@@ -295,7 +319,8 @@ pub struct PoolStats {
     pub idle: u64,
     /// Retired streams with work still pending (or still captured by a leaked guard).
     pub retired_busy: u64,
-    /// Streams held by owners: acquisitions minus releases.
+    /// Streams held by owners, or lent to another crate after their owner is gone (`lent`):
+    /// acquisitions minus releases.
     pub in_use: u64,
     /// Streams created by the pool.
     pub created: u64,
@@ -322,6 +347,10 @@ pub struct PoolStats {
     /// Streams that a release handed to a waiting acquisition (at the cap) which has not taken
     /// it yet.
     pub handed: u64,
+    /// Streams whose owner is gone while a handle lent to another crate ([`crate::StreamRef::lend`],
+    /// cudarc's `Arc<CudaStream>`) is still out: counted in `in_use` and against the cap until
+    /// they come back (see [`crate::StreamRef::lend`]).
+    pub lent: u64,
 }
 
 impl std::ops::Add for PoolStats {
@@ -342,6 +371,7 @@ impl std::ops::Add for PoolStats {
             waits: self.waits + o.waits,
             over_cap: self.over_cap + o.over_cap,
             handed: self.handed + o.handed,
+            lent: self.lent + o.lent,
         }
     }
 }
@@ -376,6 +406,9 @@ pub(crate) struct Pool {
     gate: Arc<Gate>,
     /// Retired streams kept beyond [`MAX_IDLE`]: the largest [`Pool::reserve`] so far.
     keep: AtomicUsize,
+    /// Streams of the key whose owner is gone while their loan is out (parked by the context):
+    /// still counted against the cap.
+    lent: AtomicUsize,
 }
 
 static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
@@ -754,17 +787,30 @@ impl std::fmt::Debug for Ticket {
 }
 
 impl Pool {
-    /// A held stream leaves the pool's accounting: its owner is gone while another crate still
-    /// holds a handle of it (a loan). It no longer counts against the cap, so waiters are not
-    /// held up by a stream the pool cannot get back on its own; a waiter may create instead.
-    pub(crate) fn forget_lent(&self) {
-        self.gate.gone();
+    /// A held stream's owner is gone while another crate still holds a handle of it (a loan):
+    /// the context parks it. It still counts against the cap (and in `in_use`): a waiter at the
+    /// cap waits for it to come back, looking for the loan's end every [`LOAN_POLL`].
+    pub(crate) fn park_lent(&self) {
+        // SeqCst with the gate's `waiting`: a waiter that parked without a timeout (no loan was
+        // parked then) is notified, and polls from then on.
+        self.lent.fetch_add(1, Ordering::SeqCst);
+        self.gate.notify();
     }
 
-    /// A stream forgotten by [`Pool::forget_lent`] comes back (its loan ended): counted again
-    /// (beyond the cap if need be; the next releases and trims bring the count down).
-    pub(crate) fn readopt_lent(&self) {
-        self.gate.reserve(true);
+    /// A stream parked by [`Pool::park_lent`] comes back (its loan ended).
+    pub(crate) fn unpark_lent(&self) {
+        self.lent.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Streams of the key parked while lent.
+    pub(crate) fn lent_out(&self) -> usize {
+        self.lent.load(Ordering::SeqCst)
+    }
+
+    /// A held stream leaves the pool's accounting for good: its borrower returned it still
+    /// capturing, so it is never used again (leaked). It no longer counts against the cap.
+    pub(crate) fn forget_lent(&self) {
+        self.gate.gone();
     }
 
     pub(crate) fn new(priority: i32, flags: u32, cap: Option<usize>) -> Pool {
@@ -778,6 +824,7 @@ impl Pool {
             counters: CachePadded::new(Counters::default()),
             gate: Arc::new(Gate::new(cap)),
             keep: AtomicUsize::new(0),
+            lent: AtomicUsize::new(0),
         }
     }
 
@@ -800,7 +847,16 @@ impl Pool {
     /// stream. When the key is at its cap, [`Mode::Wait`] parks the thread in the gate's FIFO
     /// queue until a stream comes back (a release, a retired stream's work completing, a
     /// destroy); the other modes never wait.
-    pub(crate) fn acquire(&self, driver: &dyn Driver, mode: Mode) -> Result<(Arc<Slot>, u64)> {
+    ///
+    /// While streams of the key are parked lent ([`Pool::park_lent`]), a waiting thread calls
+    /// `reclaim` (the context's flush, which brings back those whose loan ended) every
+    /// [`LOAN_POLL`].
+    pub(crate) fn acquire(
+        &self,
+        driver: &dyn Driver,
+        reclaim: &dyn Fn(),
+        mode: Mode,
+    ) -> Result<(Arc<Slot>, u64)> {
         let g = &self.gate;
         if mode != Mode::Wait || g.waiting.load(Ordering::SeqCst) == 0 {
             if let Some(found) = self.attempt(driver, mode == Mode::Bypass)? {
@@ -828,7 +884,14 @@ impl Pool {
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
-                crate::sync::park();
+                if self.lent_out() > 0 {
+                    // A loan ending tells nobody: look for it now and then. (A stream it brings
+                    // back may be handed to this waiter, which unparks it.)
+                    reclaim();
+                    crate::sync::park_timeout(LOAN_POLL);
+                } else {
+                    crate::sync::park();
+                }
                 continue;
             }
             if let Some(found) = self.attempt(driver, false)? {
@@ -845,6 +908,7 @@ impl Pool {
     pub(crate) fn poll_acquire(
         &self,
         driver: &dyn Driver,
+        reclaim: &dyn Fn(),
         ticket: &mut Option<Ticket>,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Result<(Arc<Slot>, u64)>> {
@@ -876,6 +940,11 @@ impl Pool {
                 &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
             );
             if !turn {
+                if self.lent_out() > 0 {
+                    // As in `acquire`: look for ended loans now, and again after LOAN_POLL.
+                    reclaim();
+                    wake_after_poll(cx.waker().clone());
+                }
                 return Poll::Pending;
             }
             let r = self.attempt(driver, false).and_then(|found| match found {
@@ -1204,6 +1273,12 @@ impl Pool {
     /// from busy ones.
     pub(crate) fn stats(&self, driver: &dyn Driver) -> PoolStats {
         self.take_back_returned();
+        // Streams busy when released and idle now: the excess goes, as at a release (MAX_IDLE).
+        // Not on a host-function thread (no driver call there).
+        if !crate::hostfn::on_host_fn_thread() && self.retired.load(Ordering::Acquire) > self.idle_cap()
+        {
+            self.trim_excess(driver);
+        }
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
@@ -1235,6 +1310,38 @@ impl Pool {
             waits: self.gate.waits.load(Ordering::Relaxed),
             over_cap: self.gate.over_cap.load(Ordering::Relaxed),
             handed: self.gate.handed.load(Ordering::Acquire) as u64,
+            lent: self.lent.load(Ordering::Acquire) as u64,
         }
+    }
+}
+
+/// Wakes `w` after [`LOAN_POLL`], from one thread of the process ("cuda-stream-pool-loans",
+/// started on first need, blocked while nobody waits): how an async waiter at a cap looks for
+/// loans that ended. If no thread can be started, `w` is woken at once.
+fn wake_after_poll(w: Waker) {
+    use std::sync::mpsc;
+    static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Waker>>> = std::sync::OnceLock::new();
+    let tx = POLLER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Waker>();
+        std::thread::Builder::new()
+            .name("cuda-stream-pool-loans".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    std::thread::sleep(LOAN_POLL);
+                    for w in std::iter::once(first).chain(rx.try_iter()) {
+                        crate::hostfn::wake_task(w);
+                    }
+                }
+            })
+            .ok()
+            .map(|_| tx)
+    });
+    match tx {
+        Some(tx) => {
+            if let Err(mpsc::SendError(w)) = tx.send(w) {
+                crate::hostfn::wake_task(w);
+            }
+        }
+        None => crate::hostfn::wake_task(w),
     }
 }

@@ -111,8 +111,19 @@ impl<'a> StreamRef<'a> {
     /// from the raw stream (cudarc's is `StreamRef::cudarc_stream`, with the `cudarc` feature). The handle may outlive this
     /// reference and its holder: while anyone holds a clone of the returned `Arc` (or of one
     /// made from it), the stream is neither handed to another owner nor destroyed; once the last
-    /// clone is gone, a later release, allocation, free or [`Context::trim`] returns it to the
-    /// pool (or destroys an [`OwnedStream`]'s), after its work has completed, as usual. Every
+    /// clone is gone, a later release, acquisition, allocation, free or [`Context::trim`] returns
+    /// it to the pool (or destroys an [`OwnedStream`]'s), after its work has completed, as usual.
+    ///
+    /// A lent pooled stream whose holder is gone still counts against its key's cap
+    /// ([`crate::ContextOptions::max_live_streams_per_key`]) and in [`crate::PoolStats::in_use`]
+    /// (and `lent`) until it comes back: an acquisition waiting at the cap waits for it (looking
+    /// for the loan's end every few milliseconds: nothing tells the crate when the other crate
+    /// drops its last handle).
+    ///
+    /// The handle may outlive the [`Context`] too: then everything the stream relies on (its
+    /// context, retained or kept alive as at adoption, and cudarc's keeper stream) is kept with
+    /// the state, whose teardown completes at a later call of the crate (of any context: an owner
+    /// drop, an allocation, `trim`, a new context) once the loan ended. Every
     /// call on the same stream returns the same handle. While lent, the crate asks the driver
     /// (not its own bookkeeping) whether the stream is capturing, so a capture that the other
     /// crate begins on it is never joined or invalidated by the crate; a stream the other crate

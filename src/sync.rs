@@ -146,6 +146,16 @@ pub(crate) fn park() {
     std::thread::park();
 }
 
+/// Parks the calling thread for at most `dur` (a scheduled thread yields once instead).
+pub(crate) fn park_timeout(dur: std::time::Duration) {
+    #[cfg(feature = "model-hooks")]
+    if hook::scheduled() {
+        hook::yield_now("park");
+        return;
+    }
+    std::thread::park_timeout(dur);
+}
+
 /// Whether the calling thread yields to a test scheduler where it would wait (feature
 /// `model-hooks`): then [`yield_now`] stands for a wait that may end spuriously.
 pub(crate) fn yields() -> bool {

@@ -144,3 +144,48 @@ fn cudarc_launch_on_another_owners_stream_is_a_use() {
     let v = buf.to_vec(&sa).unwrap();
     assert!(v.iter().all(|&e| e == 5.0), "{}", v[0]);
 }
+
+// Regression: issue 19 defect 3 (dropping the Context turned off cudarc's cross-stream ordering while lent streams are in use)
+/// cudarc orders a slice's free after its uses on other streams only in its multi-stream mode,
+/// which the state's keeper stream turns on. With the `Context` dropped while two streams are
+/// lent, the mode must stay on: a slice written on one lent stream and freed on the other must
+/// not be freed under the write (the memory, reallocated at once, would be overwritten).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn dropping_the_context_keeps_cudarc_ordering_while_streams_are_lent() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    assert!(cu.is_in_multi_stream_mode());
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let cs_a = a.stream().unwrap().cudarc_stream().unwrap();
+    let cs_b = b.stream().unwrap().cudarc_stream().unwrap();
+    drop((a, b));
+    drop(ctx); // the loans are out: what they rely on stays
+    assert!(
+        cu.is_in_multi_stream_mode(),
+        "cudarc left its multi-stream mode while streams of the dropped context are lent"
+    );
+    let n = 1 << 16;
+    let mut x = cs_a.alloc_zeros::<f32>(n).unwrap();
+    for _ in 0..2_000 {
+        // SAFETY: csp_add_one_f32 on x's n floats.
+        unsafe {
+            cs_b.launch_builder(&f)
+                .arg(&mut x)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+    }
+    drop(x); // freed on cs_a: ordered after cs_b's launches only in multi-stream mode
+    let y = cs_a.alloc_zeros::<f32>(n).unwrap();
+    cs_b.synchronize().unwrap();
+    let v = cs_a.clone_dtoh(&y).unwrap();
+    let hit = v.iter().filter(|&&e| e != 0.0).count();
+    assert_eq!(
+        hit, 0,
+        "{hit} of {n} words of a reallocated slice were overwritten"
+    );
+}

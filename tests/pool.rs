@@ -346,3 +346,36 @@ fn pool_queries_run_in_relaxed_mode() {
         CaptureMode::Global
     );
 }
+
+// Regression: issue 19 defect 15 ("at most MAX_IDLE idle streams per key" was false at a quiescent point)
+/// Simulation only: MAX_IDLE + 8 owners whose streams are busy when they are dropped (the
+/// releases cannot trim busy streams); once the work has completed, the statistics never report
+/// more than MAX_IDLE idle streams of the key, and the next acquisition or release leaves no more
+/// than MAX_IDLE retired streams alive.
+#[test]
+fn idle_streams_of_a_key_never_exceed_max_idle_once_their_work_completed() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let n = MAX_IDLE + 8;
+    let owners: Vec<_> = (0..n).map(|_| ctx.owner()).collect();
+    for o in &owners {
+        sim.enqueue_work(o.stream().unwrap().raw(), 1_000).unwrap();
+    }
+    drop(owners); // every stream busy: retired, none trimmed
+    ctx.synchronize().unwrap(); // the work completes: a quiescent point
+    let st = ctx.stats();
+    assert!(st.idle <= MAX_IDLE as u64, "{st:?}");
+    assert!(st.idle + st.retired_busy <= MAX_IDLE as u64, "{st:?}");
+    assert_eq!(st.live, st.in_use + st.idle + st.retired_busy + st.handed);
+    let o = ctx.owner();
+    o.stream().unwrap();
+    drop(o);
+    let st = ctx.stats();
+    assert!(st.idle + st.retired_busy <= MAX_IDLE as u64, "{st:?}");
+    // One disposal stream besides the pool's.
+    assert!(
+        sim.counters().live_streams <= MAX_IDLE as u64 + 1,
+        "{:?}",
+        sim.counters()
+    );
+}
