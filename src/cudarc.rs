@@ -12,8 +12,8 @@
 //!   or free that cudarc enqueues later can land on a stream handed to another owner. Once the
 //!   last cudarc handle is gone, the stream goes back to the pool after its work completed.
 //! * [`DeviceBuffer::cudarc_use`] is a [`BufferUse`]: the stream is ordered after the buffer's
-//!   previous use, and the use is recorded when the guard is dropped, after the cudarc work was
-//!   enqueued. A cudarc launch on another stream than the use's is ordered both ways (see
+//!   previous use, and the use is recorded when the guard is made, before the cudarc work is
+//!   enqueued (so a leaked guard is still a use: the buffer's free orders after its work). A cudarc launch on another stream than the use's is ordered both ways (see
 //!   [`CudarcUse`]).
 //!
 //! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
@@ -118,7 +118,9 @@ impl StreamRef<'_> {
 impl<T: DeviceCopy> DeviceBuffer<T> {
     /// Begins a use of the buffer on `stream` for cudarc work: a [`BufferUse`] that cudarc's
     /// launches and copies take as a `DevicePtr` / `DevicePtrMut`. Enqueue the cudarc work while
-    /// the guard lives; the use is recorded when it is dropped.
+    /// the guard lives. The use is recorded when the guard is made: a leaked guard is still a
+    /// use (see [`BufferUse`] for what the leak costs; a leaked `CudarcUse` also keeps its
+    /// stream lent for ever).
     ///
     /// # Errors
     /// As [`DeviceBuffer::use_on`] and [`StreamRef::cudarc_stream`].
@@ -128,7 +130,6 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         Ok(CudarcUse {
             ptr: inner.ptr().0,
             inner,
-            ctx: stream.context().clone(),
             stream: cs,
             len: self.len(),
             _t: PhantomData,
@@ -149,11 +150,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 /// stream that is capturing, or when either stream is capturing and they differ (no ordering
 /// is then possible without joining or invalidating a capture); the cudarc traits have no way
 /// to return the error.
-#[must_use = "the use is recorded when the guard is dropped: enqueue the cudarc work while it lives"]
+#[must_use = "the buffer's use lock is held while the guard lives: enqueue the cudarc work while it lives"]
 pub struct CudarcUse<'b, T> {
     inner: BufferUse<'b>,
     ptr: u64,
-    ctx: Context,
     stream: Arc<CudaStream>,
     len: usize,
     _t: PhantomData<T>,
@@ -176,7 +176,7 @@ impl<T> CudarcUse<'_, T> {
         if mine == theirs {
             return SyncOnDrop::Sync(None);
         }
-        let ci = &self.ctx.inner;
+        let ci = &self.inner.context().inner;
         let r = (|| -> Result<()> {
             let _relaxed = CaptureModeGuard::relaxed(&*ci.driver)?;
             for s in [mine, theirs] {

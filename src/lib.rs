@@ -84,8 +84,8 @@
 //!
 //! * **No GPU use of freed memory.** Every use of a [`DeviceBuffer`] (the crate's copies,
 //!   memsets and kernels, a [`BufferUse`] for work of your own, every launch of a graph that
-//!   captured the buffer) is ordered after the buffer's previous use and recorded after its work
-//!   is enqueued; the free is ordered after the last use. A free that cannot be ordered is kept
+//!   captured the buffer) is ordered after the buffer's previous use and recorded before its work
+//!   is enqueued, so a leaked guard is still a use; the free is ordered after the last use. A free that cannot be ordered is kept
 //!   and retried, never issued unordered. Graphs keep their buffers (and kernel modules) alive.
 //! * **No double free, no use of a destroyed handle.** Streams go back to the pool only once
 //!   their owner is gone (enforced by borrows) and their work has completed; a stream is
@@ -104,7 +104,8 @@
 //!   memory pools, device pointers): each `# Safety` section says which handles must be live. The
 //!   raw handles the crate hands out ([`StreamRef::raw`], [`DeviceBuffer::as_raw`],
 //!   [`BufferUse::ptr`]) are valid while their holder lives; work you enqueue with them must use a
-//!   buffer only while a [`BufferUse`] of it on that stream is alive, and must not leave the
+//!   buffer only while a [`BufferUse`] of it on that stream is alive (not dropped nor
+//!   forgotten), and must not leave the
 //!   stream capturing.
 //! * [`Context::adopt`]: the adopted context must outlive the state (pass what keeps it alive).
 //! * [`DeviceBuffer::copy_from_host_async`] / [`DeviceBuffer::copy_to_host_async`]: the host

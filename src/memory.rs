@@ -3,9 +3,11 @@
 //! * A use of a buffer on a stream is a [`BufferUse`] guard: made by [`DeviceBuffer::use_on`],
 //!   it orders the stream after the buffer's last use (when that stream's generation is
 //!   unchanged; a recycled stream's work has completed, so nothing waits, and above all nothing
-//!   waits on its new owner), holds the buffer's use lock while the caller enqueues its work, and
-//!   records the stream as the last use when dropped, after the work. A second thread's use of
-//!   the same buffer therefore orders after that work, never before it.
+//!   waits on its new owner), records the stream as the last use at once (before the caller
+//!   enqueues anything, so that a leaked guard is still a use), and holds the buffer's use lock
+//!   while the caller enqueues its work. A second thread's use of the same buffer therefore
+//!   orders after that work, never before it, and the free orders after it even when the guard
+//!   is leaked (see [`BufferUse`] for what a leak costs).
 //! * Freed (the last reference dropped): ordered after the last use, on its stream when its
 //!   generation is unchanged, else on the context's disposal stream; in relaxed capture mode so
 //!   that no capture anywhere is invalidated. A free that cannot be enqueued now (its stream is
@@ -70,18 +72,27 @@ impl Drop for BufCore {
         let (ctx, ptr, slot, gen) = (self.ctx.clone(), self.ptr, last.slot.clone(), last.gen);
         off_host_fn_thread(move || {
             // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
-            // after its work was enqueued (by a `BufferUse`), each ordered after the one
-            // before, so all of them precede generation `gen` of `slot`'s stream.
+            // when its `BufferUse` was made, before its work was enqueued, each ordered after
+            // the one before, so all of them (a leaked guard's included: its record is already
+            // there) precede the end of generation `gen` of `slot`'s stream.
             unsafe { ctx.inner.free_or_defer(ptr, &slot, gen) };
             ctx.inner.flush_deferred();
         });
     }
 }
 
-/// A use of a buffer on a stream, in progress: the stream is ordered after the buffer's last
-/// use, and the buffer's use lock is held until the guard is dropped, at which point the stream
-/// becomes the buffer's last use. Enqueue the work that uses [`BufferUse::ptr`] while the guard
-/// lives. Not `Send`: it holds a lock of the thread that made it.
+/// A use of a buffer on a stream, in progress: when the guard is made, the stream is ordered
+/// after the buffer's last use and becomes the buffer's last use, and the buffer's use lock is
+/// held until the guard is dropped. Enqueue the work that uses [`BufferUse::ptr`] while the
+/// guard lives. Not `Send`: it holds a lock of the thread that made it.
+///
+/// A leaked guard (`mem::forget`, a reference cycle) is still a use: the buffer's free is
+/// ordered after the work enqueued under it, as if it had been dropped. What the leak costs is
+/// the use lock, kept for ever, as with a forgotten `MutexGuard`: later uses of the buffer from
+/// the leaking thread fail with [`Error::InvalidArgument`] (and [`DeviceBuffer::last_use`]
+/// returns `None` there); uses from other threads (and their `last_use`, and launches of graphs
+/// that use the buffer) block for ever. Dropping the buffer (or the last graph that uses it) is
+/// never blocked and frees it, ordered.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -94,15 +105,14 @@ impl Drop for BufCore {
 ///     let u = buf.use_on(&sb).unwrap();   // sb now waits for sa's memset, on the GPU
 ///     let _ptr = u.ptr();                 // launch work on sb with it here (e.g. with cudarc)
 ///     assert!(buf.use_on(&sa).is_err());  // this thread already holds the use lock
-/// }                                       // sb is the buffer's last use from here on
-/// assert!(buf.last_use().unwrap().0 == sb.raw());
+/// }                                       // the use lock is free again
+/// assert!(buf.last_use().unwrap().0 == sb.raw());   // sb is the buffer's last use
 /// ```
-#[must_use = "the use is recorded when the guard is dropped: enqueue the work while it lives"]
+#[must_use = "the use lock is held while the guard lives: enqueue the work while it lives"]
 pub struct BufferUse<'b> {
     core: &'b BufCore,
+    /// The buffer's use lock; the last use it guards is already this use's stream.
     last: MutexGuard<'b, LastUse>,
-    /// The use to record on drop, set once the stream has been ordered.
-    new: Option<LastUse>,
 }
 
 impl std::fmt::Debug for BufferUse<'_> {
@@ -129,7 +139,7 @@ impl BufferUse<'_> {
     ///     // SAFETY: the allocation holds 4 words and stays live, ordered on `s`, while `u`
     ///     // lives; `s` is held by its owner.
     ///     unsafe { ctx.driver().memset_d32_async(u.ptr(), 9, 4, s.raw()) }.unwrap();
-    /// }                                              // `s` is recorded as the last use
+    /// }                                              // `s` is the last use (since `use_on`)
     /// assert_eq!(buf.to_vec(&s).unwrap(), vec![9; 4]);
     /// ```
     pub fn ptr(&self) -> DevicePtr {
@@ -150,13 +160,17 @@ impl BufferUse<'_> {
     pub fn bytes(&self) -> usize {
         self.core.bytes
     }
+
+    /// The buffer's context (a borrow: a leaked guard keeps no clone of it).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn context(&self) -> &Context {
+        &self.core.ctx
+    }
 }
 
 impl Drop for BufferUse<'_> {
     fn drop(&mut self) {
-        if let Some(new) = self.new.take() {
-            *self.last = new;
-        }
+        // The use was recorded when the guard was made; dropping it only lets others in.
         self.core.holder.store(0, Ordering::Release);
     }
 }
@@ -177,11 +191,7 @@ impl BufCore {
         }
         let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         self.holder.store(me, Ordering::Release);
-        let mut u = BufferUse {
-            core: self,
-            last,
-            new: None,
-        };
+        let mut u = BufferUse { core: self, last };
         let (slot, gen) = (&stream.slot, stream.gen);
         let capturing = stream.capturing_now();
         if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
@@ -223,10 +233,12 @@ impl BufCore {
             let r: CapturedUse = self.clone();
             slot.lock().add_captured(r);
         }
-        u.new = Some(LastUse {
+        // The use is registered now, before the caller enqueues anything: the free (and every
+        // later use) orders after `stream` even if the guard is leaked and never dropped.
+        *u.last = LastUse {
             slot: slot.clone(),
             gen,
-        });
+        };
         Ok(u)
     }
 }
@@ -253,7 +265,7 @@ pub(crate) fn begin_uses<'b>(
 }
 
 /// Runs `launch` (a graph launch on `stream`) as a use of every buffer in `uses`: the stream is
-/// ordered after each one's last use before, and recorded as its last use after. The buffers'
+/// ordered after each one's last use and recorded as its last use before the launch. The buffers'
 /// use locks are taken in address order, so concurrent launches cannot deadlock.
 pub(crate) fn launch_with_uses(
     uses: &[CapturedUse],
@@ -468,8 +480,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Begins a use of the buffer on `stream`: orders `stream` after the buffer's last use (on
     /// the GPU, when the last stream's generation is unchanged; not at all when it was
-    /// recycled), and returns the guard while which the work is enqueued; dropping the guard
-    /// records `stream` as the last use. See [`BufferUse`].
+    /// recycled), records `stream` as the last use, and returns the guard while which the work
+    /// is enqueued (holding the buffer's use lock). See [`BufferUse`].
     ///
     /// ```
     /// use cuda_stream_pool::{driver::SimDriver, Context, DeviceBuffer};
@@ -787,7 +799,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// ```
     ///
     /// Blocks while another thread holds a [`BufferUse`] of the buffer; `None` while the calling
-    /// thread holds one (the use is not recorded yet, and waiting for it would never end).
+    /// thread holds one (its work may not be enqueued yet, and waiting for it would never end).
     pub fn last_use(&self) -> Option<(crate::driver::Stream, u64, bool)> {
         if self.core.holder.load(Ordering::Acquire) == thread_tag() {
             return None;
