@@ -112,6 +112,8 @@ pub enum MemPoolChoice {
         release_threshold: u64,
     },
     /// The device's default pool, used as configured; the crate changes none of its attributes.
+    /// Buffers allocate with `cuMemAllocAsync`, from the device's *current* pool: the default
+    /// pool, unless someone made another pool current (`cuDeviceSetMemPool`).
     DeviceDefault,
 }
 
@@ -273,8 +275,9 @@ pub(crate) struct CtxInner {
     other_pools: RwLock<Vec<Arc<Pool>>>,
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
-    /// Whether `mem_pool` was created by the crate (destroyed at teardown).
-    own_pool: bool,
+    /// Whether `mem_pool` was created by the crate (destroyed at teardown; buffers allocate
+    /// from it with `cuMemAllocFromPoolAsync`).
+    pub(crate) own_pool: bool,
     events: Mutex<Vec<Event>>,
     deferred: Mutex<Vec<Deferred>>,
     /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every

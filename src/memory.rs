@@ -281,7 +281,8 @@ pub(crate) fn launch_with_uses(
     launch()
 }
 
-/// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
+/// A typed device allocation from the context's memory pool ([`Context::mem_pool`];
+/// `cuMemAllocFromPoolAsync`, or `cuMemAllocAsync` for [`crate::MemPoolChoice::DeviceDefault`]) that remembers the (stream, generation) of
 /// its last use. In short (the crate docs' safety contract has the rules), every use goes through a
 /// [`BufferUse`] (the crate's copies and kernels make one), and the free is always ordered after
 /// the last use.
@@ -341,10 +342,19 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         ci.flush_deferred();
         let d = &*ci.driver;
         let _relaxed = CaptureModeGuard::relaxed(d)?;
-        // SAFETY: the stream is held by the reference's holder (live); the memory is freed by
-        // `BufCore::drop`, ordered after its last use.
-        let alloc = || unsafe { d.mem_alloc_async(bytes, stream.slot.raw) };
-        // The allocation comes from the pool of the stream's device; a current context is only
+        // From the pool the crate chose: its own pool by name (`cuMemAllocAsync` would take the
+        // device's current pool, the default one), else the device's current pool.
+        let own = ci.own_pool.then_some(ci.mem_pool);
+        // SAFETY: the stream is held by the reference's holder (live); the crate's own pool
+        // lives as long as the context (`ci`); the memory is freed by `BufCore::drop`, ordered
+        // after its last use.
+        let alloc = || unsafe {
+            match own {
+                Some(pool) => d.mem_alloc_from_pool_async(bytes, pool, stream.slot.raw),
+                None => d.mem_alloc_async(bytes, stream.slot.raw),
+            }
+        };
+        // The allocation comes from a pool of the stream's device; a current context is only
         // needed when the driver asks for one.
         let ptr = match alloc() {
             Err(e) if e.code() == Some(ErrorCode::ERROR_INVALID_CONTEXT) => {
