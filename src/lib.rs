@@ -105,7 +105,8 @@
 //!   raw handles the crate hands out ([`StreamRef::raw`], [`DeviceBuffer::as_raw`],
 //!   [`BufferUse::ptr`]) are valid while their holder lives; work you enqueue with them must use a
 //!   buffer only while a [`BufferUse`] of it on that stream is alive (not dropped nor
-//!   forgotten), and must not leave the
+//!   forgotten) and in the capture the stream was in when the use was made (a use made before
+//!   a capture began is not registered with it), and must not leave the
 //!   stream capturing.
 //! * [`Context::adopt`]: the adopted context must outlive the state (pass what keeps it alive).
 //! * [`DeviceBuffer::copy_from_host_async`] / [`DeviceBuffer::copy_to_host_async`]: the host
@@ -121,13 +122,17 @@
 //!   for outside work); synchronize that stream, or use the buffer on the capturing stream first.
 //! * Allocation inside a capture (graph-owned memory) is refused: allocate before the capture.
 //! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
-//!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] keeps the
-//!   buffer's use lock: other threads' uses of that buffer block.
+//!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] is still a
+//!   use (the free orders after it) and keeps the buffer's use lock: other threads' uses of that
+//!   buffer block for ever, the leaking thread's are refused.
 //! * A stream lent to another crate ([`StreamRef::lend`], cudarc's `Arc<CudaStream>`) stays out
 //!   of the pool while any handle of it lives, even after its owner is gone, and is never
-//!   destroyed then (nor the primary context released at teardown). A capture that the borrower
-//!   begins on it from *another* thread while the owner's thread uses it through the crate races
-//!   with the crate's capture check, as any two threads sharing one CUDA stream do.
+//!   destroyed then (nor the primary context released at teardown). The crate's buffer work on
+//!   it while the borrower captures it is refused ([`Error::CaptureInProgress`]). A capture that
+//!   the borrower begins on it from *another* thread while the owner's thread uses it through the
+//!   crate races with that check (see [`StreamRef::lend`]): if it begins between the check and
+//!   the enqueue, the crate's work is in a graph that does not keep its buffers alive. Begin such
+//!   captures only on the owner's thread, or while that thread is not using the stream.
 //! * Inside the crate's host functions (and code they run, such as an [`Owner`] moved into one)
 //!   every driver call of a context fails with `CUDA_ERROR_NOT_PERMITTED` instead of reaching the
 //!   driver.

@@ -94,6 +94,12 @@ impl Drop for BufCore {
 /// that use the buffer) block for ever. Dropping the buffer (or the last graph that uses it) is
 /// never blocked and frees it, ordered.
 ///
+/// Captures: a use made inside a capture of the crate's ([`StreamRef::begin_capture`]) is
+/// registered with it (its graph keeps the buffer); a use on a lent stream that its borrower is
+/// capturing is refused ([`Error::CaptureInProgress`]: that graph would keep nothing). Enqueue the
+/// work in the capture state the stream had when the guard was made: a capture begun later does
+/// not know the buffer.
+///
 /// ```
 /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
 /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
@@ -194,6 +200,12 @@ impl BufCore {
         let mut u = BufferUse { core: self, last };
         let (slot, gen) = (&stream.slot, stream.gen);
         let capturing = stream.capturing_now();
+        if capturing && !slot.is_capturing() {
+            // A capture the crate did not begin: the borrower of a lent stream captures it. Work
+            // enqueued now would go into the borrower's graph, which keeps nothing of the
+            // crate's alive (only a `CaptureGuard` hands its uses to a graph).
+            return Err(foreign_capture());
+        }
         if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
             let prev = u.last.slot.clone();
             let st = prev.lock();
@@ -241,6 +253,16 @@ impl BufCore {
         };
         Ok(u)
     }
+}
+
+/// The error for buffer work on a stream that its borrower is capturing.
+pub(crate) fn foreign_capture() -> Error {
+    Error::CaptureInProgress(
+        "the stream is lent and its borrower is capturing it: the crate's work would go into a \
+         graph that does not keep the crate's buffers alive; end that capture first (or capture \
+         with the crate's begin_capture)"
+            .into(),
+    )
 }
 
 /// Begins uses of `cores` on `stream`, taking the use locks in address order (one global order:

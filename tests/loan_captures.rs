@@ -71,7 +71,12 @@ fn crate_work_on_a_stream_its_borrower_captures_is_refused() {
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
     let c = sim.counters();
     assert_eq!(
-        (c.live_allocs, c.live_streams, c.live_contexts, c.live_modules),
+        (
+            c.live_allocs,
+            c.live_streams,
+            c.live_contexts,
+            c.live_modules
+        ),
         (0, 0, 0, 0),
         "left after every handle is gone: {c:?}"
     );
@@ -99,4 +104,65 @@ fn crate_capture_of_a_lent_stream_still_keeps_its_buffers() {
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
     let c = sim.counters();
     assert_eq!((c.live_allocs, c.live_contexts), (0, 0), "{c:?}");
+}
+
+/// The same through cudarc's safe capture API on a GPU.
+#[cfg(feature = "cudarc")]
+mod cudarc_capture {
+    use super::{common, refused};
+    use cuda_stream_pool::{Context, DeviceBuffer};
+    use cudarc::driver::sys::CUstreamCaptureMode;
+    use cudarc::driver::CudaContext;
+
+    // Regression: issue 19 defect 2 (crate work inside cudarc's capture of a lent stream)
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn crate_work_inside_cudarcs_capture_is_refused() {
+        let _serial = common::gpu_lock();
+        let cu = CudaContext::new(0).unwrap();
+        let ctx = Context::from_cudarc(&cu).unwrap();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let mut x = DeviceBuffer::<u32>::zeroed(&s, 1 << 16).unwrap();
+        let cs = s.cudarc_stream().unwrap();
+        cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        refused("a memset", x.fill(&s, 7));
+        refused("a cudarc use", x.cudarc_use(&s).map(|_| ()));
+        let g = cs
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .expect("cudarc's capture ends cleanly");
+        drop(x);
+        if let Some(g) = g {
+            g.launch().unwrap();
+        }
+        cs.synchronize().unwrap();
+    }
+
+    // Regression: issue 19 defect 2 (a CudarcUse made before cudarc's capture began: the work
+    // would go into a graph that does not keep the buffer)
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn cudarc_use_made_before_cudarcs_capture_refuses_to_join_it() {
+        let _serial = common::gpu_lock();
+        let cu = CudaContext::new(0).unwrap();
+        let ctx = Context::from_cudarc(&cu).unwrap();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let x = DeviceBuffer::<u32>::zeroed(&s, 1 << 16).unwrap();
+        let cs = s.cudarc_stream().unwrap();
+        let mut u = x.cudarc_use(&s).unwrap();
+        cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = cs.memset_zeros(&mut u);
+        }));
+        let g = cs.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        assert!(
+            r.is_err(),
+            "the memset joined a capture begun after the use"
+        );
+        assert!(g.is_ok(), "cudarc's capture ends cleanly");
+        drop(u);
+    }
 }
