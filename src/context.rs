@@ -112,6 +112,8 @@ pub enum MemPoolChoice {
         release_threshold: u64,
     },
     /// The device's default pool, used as configured; the crate changes none of its attributes.
+    /// Buffers allocate with `cuMemAllocAsync`, from the device's *current* pool: the default
+    /// pool, unless someone made another pool current (`cuDeviceSetMemPool`).
     DeviceDefault,
 }
 
@@ -279,8 +281,9 @@ pub(crate) struct CtxInner {
     other_pools: RwLock<Vec<Arc<Pool>>>,
     pub(crate) disposal: Arc<Slot>,
     pub(crate) mem_pool: MemPool,
-    /// Whether `mem_pool` was created by the crate (destroyed at teardown).
-    own_pool: bool,
+    /// Whether `mem_pool` was created by the crate (destroyed at teardown; buffers allocate
+    /// from it with `cuMemAllocFromPoolAsync`).
+    pub(crate) own_pool: bool,
     events: Mutex<Vec<Event>>,
     deferred: Mutex<Vec<Deferred>>,
     /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every
@@ -1362,22 +1365,12 @@ impl CtxInner {
             disposal: self.disposal.clone(),
             mem_pool: self.mem_pool,
             own_pool: self.own_pool,
-            events: Mutex::new(std::mem::take(
-                self.events.get_mut(),
-            )),
-            deferred: Mutex::new(std::mem::take(
-                self.deferred.get_mut(),
-            )),
+            events: Mutex::new(std::mem::take(self.events.get_mut())),
+            deferred: Mutex::new(std::mem::take(self.deferred.get_mut())),
             deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
-            orphans: Mutex::new(std::mem::take(
-                self.orphans.get_mut(),
-            )),
-            lent: Mutex::new(std::mem::take(
-                self.lent.get_mut(),
-            )),
-            kept_host: Mutex::new(std::mem::take(
-                self.kept_host.get_mut(),
-            )),
+            orphans: Mutex::new(std::mem::take(self.orphans.get_mut())),
+            lent: Mutex::new(std::mem::take(self.lent.get_mut())),
+            kept_host: Mutex::new(std::mem::take(self.kept_host.get_mut())),
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
@@ -1418,10 +1411,7 @@ pub(crate) fn reap_lingering() {
 impl CtxInner {
     /// Whether a stream parked while lent has been returned by its borrower (no driver call).
     fn a_loan_ended(&self) -> bool {
-        self.lent
-            .lock()
-            .iter()
-            .any(|(_, slot)| slot.loan_ended())
+        self.lent.lock().iter().any(|(_, slot)| slot.loan_ended())
     }
 }
 
@@ -1451,11 +1441,7 @@ impl Drop for CtxInner {
             let _ = p.drain(&*self.driver, true, 0);
         }
         self.flush(true);
-        if !self
-            .lent
-            .get_mut()
-            .is_empty()
-        {
+        if !self.lent.get_mut().is_empty() {
             // Streams are still lent: what they rely on (this context, its retain or
             // keep-alive, cudarc's keeper stream) stays until a later call of the crate finds
             // their loans ended and tears the state down again.

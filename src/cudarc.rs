@@ -14,8 +14,8 @@
 //!   or free that cudarc enqueues later can land on a stream handed to another owner. Once the
 //!   last cudarc handle is gone, the stream goes back to the pool after its work completed.
 //! * [`DeviceBuffer::cudarc_use`] is a [`BufferUse`]: the stream is ordered after the buffer's
-//!   previous use, and the use is recorded when the guard is dropped, after the cudarc work was
-//!   enqueued. A cudarc launch on another stream than the use's is ordered both ways (see
+//!   previous use, and the use is recorded when the guard is made, before the cudarc work is
+//!   enqueued (so a leaked guard is still a use: the buffer's free orders after its work). A cudarc launch on another stream than the use's is ordered both ways (see
 //!   [`CudarcUse`]).
 //!
 //! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
@@ -124,17 +124,25 @@ impl StreamRef<'_> {
 impl<T: DeviceCopy> DeviceBuffer<T> {
     /// Begins a use of the buffer on `stream` for cudarc work: a [`BufferUse`] that cudarc's
     /// launches and copies take as a `DevicePtr` / `DevicePtrMut`. Enqueue the cudarc work while
-    /// the guard lives; the use is recorded when it is dropped.
+    /// the guard lives. The use is recorded when the guard is made: a leaked guard is still a
+    /// use (see [`BufferUse`] for what the leak costs; a leaked `CudarcUse` also keeps its
+    /// stream lent for ever).
     ///
     /// # Errors
     /// As [`DeviceBuffer::use_on`] and [`StreamRef::cudarc_stream`].
     pub fn cudarc_use<'b>(&'b self, stream: &'b StreamRef<'_>) -> Result<CudarcUse<'b, T>> {
         let cs = stream.cudarc_stream()?;
         let inner = self.use_on(stream)?;
+        // SAFETY: the stream is held by the reference's holder: live. The query is allowed in
+        // every capture mode and invalidates nothing.
+        let capture = match unsafe { stream.ctx.inner.driver.stream_capture_info(stream.raw()) }? {
+            (CaptureStatus::None, _) => None,
+            (_, id) => Some(id),
+        };
         Ok(CudarcUse {
             ptr: inner.ptr().0,
             inner,
-            ctx: stream.context().clone(),
+            capture,
             stream: cs,
             len: self.len(),
             _t: PhantomData,
@@ -150,16 +158,24 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 /// and returns a `SyncOnDrop` that synchronizes it once the work is enqueued, so the use is
 /// complete before the guard records it.
 ///
+/// Made on a stream that its borrower (cudarc) is capturing, the use is refused
+/// ([`Error::CaptureInProgress`]); made inside a capture of the crate's, the buffer is kept by
+/// that capture's graph. The cudarc work must go into the capture the use was made in (or into
+/// none): a capture that began on the use's stream after the use was made keeps nothing of the
+/// crate's alive, so `device_ptr` refuses it.
+///
 /// # Panics
 /// `device_ptr` / `device_ptr_mut` panic, before enqueuing anything, when asked for another
 /// stream that is capturing, or when either stream is capturing and they differ (no ordering
-/// is then possible without joining or invalidating a capture); the cudarc traits have no way
-/// to return the error.
-#[must_use = "the use is recorded when the guard is dropped: enqueue the cudarc work while it lives"]
+/// is then possible without joining or invalidating a capture), when the use's stream is in
+/// another capture than the one it was in when the use was made, and when the driver fails the
+/// capture query or the ordering; the cudarc traits have no way to return the error.
+#[must_use = "the buffer's use lock is held while the guard lives: enqueue the cudarc work while it lives"]
 pub struct CudarcUse<'b, T> {
     inner: BufferUse<'b>,
     ptr: u64,
-    ctx: Context,
+    /// The id of the capture the use's stream was in when the use was made, if any.
+    capture: Option<u64>,
     stream: Arc<CudaStream>,
     len: usize,
     _t: PhantomData<T>,
@@ -179,10 +195,22 @@ impl<T> CudarcUse<'_, T> {
     fn order_other<'a>(&'a self, other: &'a CudaStream) -> SyncOnDrop<'a> {
         let mine = driver::Stream::from(self.stream.cu_stream());
         let theirs = driver::Stream::from(other.cu_stream());
+        let ci = &self.inner.context().inner;
         if mine == theirs {
+            // SAFETY: the use's stream is held (the guard borrows its reference); the query is
+            // allowed in every capture mode and invalidates nothing.
+            match unsafe { ci.driver.stream_capture_info(mine) } {
+                Ok((CaptureStatus::None, _)) => {}
+                Ok((_, id)) if self.capture == Some(id) => {}
+                Ok(_) => panic!(
+                    "CudarcUse: its stream began a capture after the use was made; that \
+                     capture's graph would not keep the buffer alive (make the use inside the \
+                     capture)"
+                ),
+                Err(e) => panic!("CudarcUse: cannot query the stream's capture: {e}"),
+            }
             return SyncOnDrop::Sync(None);
         }
-        let ci = &self.ctx.inner;
         let r = (|| -> Result<()> {
             let _scope = ci.scope();
             for s in [mine, theirs] {

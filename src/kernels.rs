@@ -173,8 +173,9 @@ impl Kernels {
         let ci = &self.inner.ctx.inner;
         // The function belongs to this context's module: launched with the context current
         // (the device rules).
-        if s.capturing_now() {
-            // The graph will launch the kernel: it keeps the module loaded.
+        if s.slot.is_capturing() {
+            // The crate's capture: its graph will launch the kernel and keeps the module loaded.
+            // (A borrower's capture of a lent stream was refused by the callers' `use_on`.)
             let m: CapturedUse = self.inner.clone();
             s.slot.lock().add_captured(m);
         }

@@ -84,8 +84,8 @@
 //!
 //! * **No GPU use of freed memory.** Every use of a [`DeviceBuffer`] (the crate's copies,
 //!   memsets and kernels, a [`BufferUse`] for work of your own, every launch of a graph that
-//!   captured the buffer) is ordered after the buffer's previous use and recorded after its work
-//!   is enqueued; the free is ordered after the last use. A free that cannot be ordered is kept
+//!   captured the buffer) is ordered after the buffer's previous use and recorded before its work
+//!   is enqueued, so a leaked guard is still a use; the free is ordered after the last use. A free that cannot be ordered is kept
 //!   and retried, never issued unordered. Graphs keep their buffers (and kernel modules) alive.
 //! * **No double free, no use of a destroyed handle.** Streams go back to the pool only once
 //!   their owner is gone (enforced by borrows) and their work has completed; a stream is
@@ -109,7 +109,9 @@
 //!   memory pools, device pointers): each `# Safety` section says which handles must be live. The
 //!   raw handles the crate hands out ([`StreamRef::raw`], [`DeviceBuffer::as_raw`],
 //!   [`BufferUse::ptr`]) are valid while their holder lives; work you enqueue with them must use a
-//!   buffer only while a [`BufferUse`] of it on that stream is alive, and must not leave the
+//!   buffer only while a [`BufferUse`] of it on that stream is alive (not dropped nor
+//!   forgotten) and in the capture the stream was in when the use was made (a use made before
+//!   a capture began is not registered with it), and must not leave the
 //!   stream capturing.
 //! * [`Context::adopt`]: the adopted context must outlive the state (pass what keeps it alive).
 //! * [`DeviceBuffer::copy_from_host_async`] / [`DeviceBuffer::copy_to_host_async`]: the host
@@ -125,17 +127,22 @@
 //!   for outside work); synchronize that stream, or use the buffer on the capturing stream first.
 //! * Allocation inside a capture (graph-owned memory) is refused: allocate before the capture.
 //! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
-//!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] keeps the
-//!   buffer's use lock: other threads' uses of that buffer block.
+//!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] is still a
+//!   use (the free orders after it) and keeps the buffer's use lock: other threads' uses of that
+//!   buffer block for ever, the leaking thread's are refused.
 //! * A stream lent to another crate ([`StreamRef::lend`], cudarc's `Arc<CudaStream>`) stays out
 //!   of the pool while any handle of it lives, even after its owner is gone, and is never
 //!   destroyed then; it counts against its key's cap until it comes back. What a loan relies on
 //!   lives as long as the loan, even when the [`Context`] is dropped first: the state's teardown
 //!   then waits (without blocking: the state is kept aside) and keeps the context (the primary
 //!   context's retain, or what keeps an adopted one alive, with cudarc's keeper stream and so its
-//!   multi-stream mode) until a later call of the crate finds the loans ended. A capture that the borrower
-//!   begins on it from *another* thread while the owner's thread uses it through the crate races
-//!   with the crate's capture check, as any two threads sharing one CUDA stream do.
+//!   multi-stream mode) until a later call of the crate finds the loans ended. The crate's buffer
+//!   work on a lent stream while the borrower captures it is refused
+//!   ([`Error::CaptureInProgress`]). A capture that the borrower begins on it from *another*
+//!   thread while the owner's thread uses it through the crate races with that check (see
+//!   [`StreamRef::lend`]): if it begins between the check and the enqueue, the crate's work is in
+//!   a graph that does not keep its buffers alive. Begin such captures only on the owner's
+//!   thread, or while that thread is not using the stream.
 //! * Inside the crate's host functions (and code they run, such as an [`Owner`] moved into one)
 //!   every driver call of a context fails with `CUDA_ERROR_NOT_PERMITTED` instead of reaching the
 //!   driver.

@@ -3,9 +3,11 @@
 //! * A use of a buffer on a stream is a [`BufferUse`] guard: made by [`DeviceBuffer::use_on`],
 //!   it orders the stream after the buffer's last use (when that stream's generation is
 //!   unchanged; a recycled stream's work has completed, so nothing waits, and above all nothing
-//!   waits on its new owner), holds the buffer's use lock while the caller enqueues its work, and
-//!   records the stream as the last use when dropped, after the work. A second thread's use of
-//!   the same buffer therefore orders after that work, never before it.
+//!   waits on its new owner), records the stream as the last use at once (before the caller
+//!   enqueues anything, so that a leaked guard is still a use), and holds the buffer's use lock
+//!   while the caller enqueues its work. A second thread's use of the same buffer therefore
+//!   orders after that work, never before it, and the free orders after it even when the guard
+//!   is leaked (see [`BufferUse`] for what a leak costs).
 //! * Freed (the last reference dropped): ordered after the last use, on its stream when its
 //!   generation is unchanged, else on the context's disposal stream; in relaxed capture mode so
 //!   that no capture anywhere is invalidated. A free that cannot be enqueued now (its stream is
@@ -71,18 +73,33 @@ impl Drop for BufCore {
         let (ctx, ptr, slot, gen) = (self.ctx.clone(), self.ptr, last.slot.clone(), last.gen);
         off_host_fn_thread(move || {
             // SAFETY: the allocation is ours, freed only here; every use was recorded in `last`
-            // after its work was enqueued (by a `BufferUse`), each ordered after the one
-            // before, so all of them precede generation `gen` of `slot`'s stream.
+            // when its `BufferUse` was made, before its work was enqueued, each ordered after
+            // the one before, so all of them (a leaked guard's included: its record is already
+            // there) precede the end of generation `gen` of `slot`'s stream.
             unsafe { ctx.inner.free_or_defer(ptr, &slot, gen) };
             ctx.inner.flush_deferred();
         });
     }
 }
 
-/// A use of a buffer on a stream, in progress: the stream is ordered after the buffer's last
-/// use, and the buffer's use lock is held until the guard is dropped, at which point the stream
-/// becomes the buffer's last use. Enqueue the work that uses [`BufferUse::ptr`] while the guard
-/// lives. Not `Send`: it holds a lock of the thread that made it.
+/// A use of a buffer on a stream, in progress: when the guard is made, the stream is ordered
+/// after the buffer's last use and becomes the buffer's last use, and the buffer's use lock is
+/// held until the guard is dropped. Enqueue the work that uses [`BufferUse::ptr`] while the
+/// guard lives. Not `Send`: it holds a lock of the thread that made it.
+///
+/// A leaked guard (`mem::forget`, a reference cycle) is still a use: the buffer's free is
+/// ordered after the work enqueued under it, as if it had been dropped. What the leak costs is
+/// the use lock, kept for ever, as with a forgotten `MutexGuard`: later uses of the buffer from
+/// the leaking thread fail with [`Error::InvalidArgument`] (and [`DeviceBuffer::last_use`]
+/// returns `None` there); uses from other threads (and their `last_use`, and launches of graphs
+/// that use the buffer) block for ever. Dropping the buffer (or the last graph that uses it) is
+/// never blocked and frees it, ordered.
+///
+/// Captures: a use made inside a capture of the crate's ([`StreamRef::begin_capture`]) is
+/// registered with it (its graph keeps the buffer); a use on a lent stream that its borrower is
+/// capturing is refused ([`Error::CaptureInProgress`]: that graph would keep nothing). Enqueue the
+/// work in the capture state the stream had when the guard was made: a capture begun later does
+/// not know the buffer.
 ///
 /// ```
 /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -95,15 +112,14 @@ impl Drop for BufCore {
 ///     let u = buf.use_on(&sb).unwrap();   // sb now waits for sa's memset, on the GPU
 ///     let _ptr = u.ptr();                 // launch work on sb with it here (e.g. with cudarc)
 ///     assert!(buf.use_on(&sa).is_err());  // this thread already holds the use lock
-/// }                                       // sb is the buffer's last use from here on
-/// assert!(buf.last_use().unwrap().0 == sb.raw());
+/// }                                       // the use lock is free again
+/// assert!(buf.last_use().unwrap().0 == sb.raw());   // sb is the buffer's last use
 /// ```
-#[must_use = "the use is recorded when the guard is dropped: enqueue the work while it lives"]
+#[must_use = "the use lock is held while the guard lives: enqueue the work while it lives"]
 pub struct BufferUse<'b> {
     core: &'b BufCore,
+    /// The buffer's use lock; the last use it guards is already this use's stream.
     last: MutexGuard<'b, LastUse>,
-    /// The use to record on drop, set once the stream has been ordered.
-    new: Option<LastUse>,
 }
 
 impl std::fmt::Debug for BufferUse<'_> {
@@ -130,7 +146,7 @@ impl BufferUse<'_> {
     ///     // SAFETY: the allocation holds 4 words and stays live, ordered on `s`, while `u`
     ///     // lives; `s` is held by its owner.
     ///     unsafe { ctx.driver().memset_d32_async(u.ptr(), 9, 4, s.raw()) }.unwrap();
-    /// }                                              // `s` is recorded as the last use
+    /// }                                              // `s` is the last use (since `use_on`)
     /// assert_eq!(buf.to_vec(&s).unwrap(), vec![9; 4]);
     /// ```
     pub fn ptr(&self) -> DevicePtr {
@@ -151,13 +167,17 @@ impl BufferUse<'_> {
     pub fn bytes(&self) -> usize {
         self.core.bytes
     }
+
+    /// The buffer's context (a borrow: a leaked guard keeps no clone of it).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn context(&self) -> &Context {
+        &self.core.ctx
+    }
 }
 
 impl Drop for BufferUse<'_> {
     fn drop(&mut self) {
-        if let Some(new) = self.new.take() {
-            *self.last = new;
-        }
+        // The use was recorded when the guard was made; dropping it only lets others in.
         self.core.holder.store(0, Ordering::Release);
     }
 }
@@ -178,13 +198,15 @@ impl BufCore {
         }
         let last = self.last.lock();
         self.holder.store(me, Ordering::Release);
-        let mut u = BufferUse {
-            core: self,
-            last,
-            new: None,
-        };
+        let mut u = BufferUse { core: self, last };
         let (slot, gen) = (&stream.slot, stream.gen);
         let capturing = stream.capturing_now();
+        if capturing && !slot.is_capturing() {
+            // A capture the crate did not begin: the borrower of a lent stream captures it. Work
+            // enqueued now would go into the borrower's graph, which keeps nothing of the
+            // crate's alive (only a `CaptureGuard` hands its uses to a graph).
+            return Err(foreign_capture());
+        }
         if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
             let prev = u.last.slot.clone();
             let st = prev.lock();
@@ -224,12 +246,24 @@ impl BufCore {
             let r: CapturedUse = self.clone();
             slot.lock().add_captured(r);
         }
-        u.new = Some(LastUse {
+        // The use is registered now, before the caller enqueues anything: the free (and every
+        // later use) orders after `stream` even if the guard is leaked and never dropped.
+        *u.last = LastUse {
             slot: slot.clone(),
             gen,
-        });
+        };
         Ok(u)
     }
+}
+
+/// The error for buffer work on a stream that its borrower is capturing.
+pub(crate) fn foreign_capture() -> Error {
+    Error::CaptureInProgress(
+        "the stream is lent and its borrower is capturing it: the crate's work would go into a \
+         graph that does not keep the crate's buffers alive; end that capture first (or capture \
+         with the crate's begin_capture)"
+            .into(),
+    )
 }
 
 /// Begins uses of `cores` on `stream`, taking the use locks in address order (one global order:
@@ -254,7 +288,7 @@ pub(crate) fn begin_uses<'b>(
 }
 
 /// Runs `launch` (a graph launch on `stream`) as a use of every buffer in `uses`: the stream is
-/// ordered after each one's last use before, and recorded as its last use after. The buffers'
+/// ordered after each one's last use and recorded as its last use before the launch. The buffers'
 /// use locks are taken in address order, so concurrent launches cannot deadlock.
 pub(crate) fn launch_with_uses(
     uses: &[CapturedUse],
@@ -270,7 +304,8 @@ pub(crate) fn launch_with_uses(
     launch()
 }
 
-/// A typed device allocation from `cuMemAllocAsync` that remembers the (stream, generation) of
+/// A typed device allocation from the context's memory pool ([`Context::mem_pool`];
+/// `cuMemAllocFromPoolAsync`, or `cuMemAllocAsync` for [`crate::MemPoolChoice::DeviceDefault`]) that remembers the (stream, generation) of
 /// its last use. In short (the crate docs' safety contract has the rules), every use goes through a
 /// [`BufferUse`] (the crate's copies and kernels make one), and the free is always ordered after
 /// the last use.
@@ -330,9 +365,20 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // One scope for the retried frees and the allocation (relaxed mode once).
         let _scope = ci.scope();
         ci.flush_deferred();
-        // SAFETY: the stream is held by the reference's holder (live); the memory is freed by
-        // `BufCore::drop`, ordered after its last use. Relaxed mode: the device rules.
-        let ptr = unsafe { ci.driver.mem_alloc_async(bytes, stream.slot.raw) }?;
+        let d = &*ci.driver;
+        // From the pool the crate chose: its own pool by name (`cuMemAllocAsync` would take the
+        // device's current pool, the default one), else the device's current pool. Relaxed
+        // mode and the context: the device rules.
+        // SAFETY: the stream is held by the reference's holder (live); the crate's own pool
+        // lives as long as the context (`ci`); the memory is freed by `BufCore::drop`, ordered
+        // after its last use.
+        let ptr = unsafe {
+            if ci.own_pool {
+                d.mem_alloc_from_pool_async(bytes, ci.mem_pool, stream.slot.raw)
+            } else {
+                d.mem_alloc_async(bytes, stream.slot.raw)
+            }
+        }?;
         Ok(DeviceBuffer {
             core: Arc::new(BufCore {
                 ctx: stream.ctx.clone(),
@@ -460,8 +506,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// Begins a use of the buffer on `stream`: orders `stream` after the buffer's last use (on
     /// the GPU, when the last stream's generation is unchanged; not at all when it was
-    /// recycled), and returns the guard while which the work is enqueued; dropping the guard
-    /// records `stream` as the last use. See [`BufferUse`].
+    /// recycled), records `stream` as the last use, and returns the guard while which the work
+    /// is enqueued (holding the buffer's use lock). See [`BufferUse`].
     ///
     /// ```
     /// use cuda_stream_pool::{driver::SimDriver, Context, DeviceBuffer};
@@ -776,7 +822,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// ```
     ///
     /// Blocks while another thread holds a [`BufferUse`] of the buffer; `None` while the calling
-    /// thread holds one (the use is not recorded yet, and waiting for it would never end).
+    /// thread holds one (its work may not be enqueued yet, and waiting for it would never end).
     pub fn last_use(&self) -> Option<(crate::driver::Stream, u64, bool)> {
         if self.core.holder.load(Ordering::Acquire) == thread_tag() {
             return None;

@@ -147,9 +147,13 @@ impl SlotGuard<'_> {
         std::mem::take(&mut self.st.captured)
     }
 
-    /// Records that the capture in progress uses `r` (once per object).
+    /// Records that the capture in progress uses `r` (once per object). Only a capture of the
+    /// crate's (a `CaptureGuard`) collects uses: its end hands them to the graph. Outside one,
+    /// nothing would ever take them back (a slot keeping a buffer that keeps the slot, through
+    /// its last use and its context, is a cycle that leaks the whole context), so nothing is
+    /// kept; callers refuse buffer work on a stream captured by someone else before this.
     pub(crate) fn add_captured(&mut self, r: CapturedUse) {
-        if !self.st.captured.iter().any(|x| Arc::ptr_eq(x, &r)) {
+        if self.st.capturing && !self.st.captured.iter().any(|x| Arc::ptr_eq(x, &r)) {
             self.st.captured.push(r);
         }
     }
@@ -1275,7 +1279,8 @@ impl Pool {
         self.take_back_returned();
         // Streams busy when released and idle now: the excess goes, as at a release (MAX_IDLE).
         // Not on a host-function thread (no driver call there).
-        if !crate::hostfn::on_host_fn_thread() && self.retired.load(Ordering::Acquire) > self.idle_cap()
+        if !crate::hostfn::on_host_fn_thread()
+            && self.retired.load(Ordering::Acquire) > self.idle_cap()
         {
             self.trim_excess(driver);
         }

@@ -129,11 +129,20 @@ impl<'a> StreamRef<'a> {
     /// crate begins on it is never joined or invalidated by the crate; a stream the other crate
     /// leaves capturing is never used again.
     ///
-    /// Limit: the crate checks a lent stream's capture state before each enqueue, but a borrower
-    /// on *another* thread can begin a capture between that check and the enqueue (as any two
-    /// threads sharing one CUDA stream can race); that capture may then be invalidated. Begin
-    /// captures of a lent stream on the thread that holds its owner, or while the crate is not
-    /// using it.
+    /// Buffer work of the crate (memsets, copies, kernels, [`crate::BufferUse`]s, graph
+    /// launches) on a stream that the borrower is capturing is refused with
+    /// [`Error::CaptureInProgress`]: the borrower's graph would not keep the crate's buffers
+    /// alive. Only a capture of the crate's own ([`StreamRef::begin_capture`]) takes crate work,
+    /// and its graph keeps the buffers.
+    ///
+    /// Limit: the check (`cuStreamIsCapturing`) is made when the crate's use of a buffer begins,
+    /// before its work is enqueued; CUDA has no check-and-enqueue. A borrower on *another*
+    /// thread that begins a capture of the stream inside that window (between the check and the
+    /// enqueue, as any two threads sharing one CUDA stream can race) gets the crate's work in its
+    /// graph: launching that graph after the buffers are freed touches freed memory, and other
+    /// calls of the crate in the window may invalidate that capture. Begin captures of a lent
+    /// stream only on the thread that holds its owner, or while that thread is known not to be
+    /// using the stream (for example after a synchronization with it).
     ///
     /// `wrap` runs at most once per loan; if it lends the same stream again, that inner call
     /// fails with [`Error::InvalidArgument`].

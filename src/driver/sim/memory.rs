@@ -148,7 +148,18 @@ pub(super) struct SimAlloc {
     pub(super) init: Bits,
     /// Accesses not yet superseded: the writes and the reads since the last covering write.
     pub(super) hist: Vec<AccessRec>,
+    /// The memory pool it came from (`MemPool(1)`, the default pool, for `cuMemAllocAsync`;
+    /// the named pool for `cuMemAllocFromPoolAsync`); [`NO_POOL`] for a graph's memory, which
+    /// belongs to no memory pool.
+    pub(super) pool: u64,
 }
+
+/// The pool of a graph's memory (allocation nodes): none of the memory pools.
+pub(super) const NO_POOL: u64 = 0;
+
+/// The device's current memory pool, which `cuMemAllocAsync` allocates from: always the default
+/// pool here (the simulation has no `cuDeviceSetMemPool`).
+pub(super) const DEFAULT_POOL: u64 = 1;
 
 impl SimAlloc {
     pub(super) fn new(bytes: usize, graph_owned: bool) -> SimAlloc {
@@ -160,6 +171,7 @@ impl SimAlloc {
             from_graph: false,
             init: Bits::new(bytes),
             hist: Vec::new(),
+            pool: NO_POOL,
         }
     }
 }
@@ -568,12 +580,28 @@ impl SimDriver {
 }
 
 impl SimDriver {
-    /// `mem_alloc_async` of the [`Driver`] impl.
-    pub(super) fn do_mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
+    /// `mem_alloc_async` (`pool` `None`: the device's current pool) and
+    /// `mem_alloc_from_pool_async` (`pool` named) of the [`Driver`] impl.
+    pub(super) fn do_mem_alloc_async(
+        &self,
+        bytes: usize,
+        stream: Stream,
+        pool: Option<MemPool>,
+    ) -> Result<DevicePtr> {
+        let name = if pool.is_some() {
+            "cuMemAllocFromPoolAsync"
+        } else {
+            "cuMemAllocAsync"
+        };
         let n = self.lock().pool_streams;
         self.cost(|l| l.alloc + l.alloc_per_stream * n);
-        let mut st = self.enter("cuMemAllocAsync", Some(stream), None, None)?;
-        Self::check_stream(&mut st, stream, "cuMemAllocAsync")?;
+        let mut st = self.enter(name, Some(stream), None, None)?;
+        let pool = match pool {
+            None => DEFAULT_POOL,
+            Some(p) if st.pools.contains_key(&p.0) => p.0,
+            Some(_) => return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, name),
+        };
+        Self::check_stream(&mut st, stream, name)?;
         if bytes == 0 {
             // Measured on the H200: a zero-byte request succeeds and returns the null pointer.
             return Ok(DevicePtr::NULL);
@@ -581,19 +609,15 @@ impl SimDriver {
         let cap = Self::capture_of(&st, stream.0);
         match cap {
             Some(id) if st.captures[&id].invalidated => {
-                return Self::fail(
-                    &mut st,
-                    ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED,
-                    "cuMemAllocAsync",
-                );
+                return Self::fail(&mut st, ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED, name);
             }
             Some(_) => {}
             // Measured on the H200: on a stream that is not capturing, the allocator is an
             // unsafe call under capture (capture.rs).
-            None => self.unsafe_call(&mut st, "cuMemAllocAsync")?,
+            None => self.unsafe_call(&mut st, name)?,
         }
         if self.device_bytes(&st) + bytes as u64 > self.cfg.total_memory {
-            return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
+            return Self::fail(&mut st, ErrorCode::ERROR_OUT_OF_MEMORY, name);
         }
         let p = st.next_ptr;
         st.next_ptr += (bytes as u64).div_ceil(256) * 256 + 256;
@@ -601,6 +625,7 @@ impl SimDriver {
         let mut a = SimAlloc::new(bytes, capturing);
         a.graph_capture = cap;
         if !capturing {
+            a.pool = pool;
             // The allocation is a stream-ordered operation: work on other streams must be
             // ordered after it (memory.rs).
             let vc = Self::tick_stream(&mut st, stream.0);
@@ -610,7 +635,7 @@ impl SimDriver {
                 stream: stream.0,
                 epoch: vc.get(stream.0),
                 write: true,
-                desc: format!("cuMemAllocAsync on stream {:#x}", stream.0),
+                desc: format!("{name} on stream {:#x}", stream.0),
             });
         }
         st.allocs.insert(p, a);
@@ -621,7 +646,7 @@ impl SimDriver {
                 stream,
                 OpKind::Effect(Effect::GraphAlloc { ptr: p, bytes }),
                 0,
-                "cuMemAllocAsync",
+                name,
             )?;
             return Ok(DevicePtr(p));
         }

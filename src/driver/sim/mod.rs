@@ -835,7 +835,7 @@ impl Driver for SimDriver {
     }
 
     unsafe fn mem_alloc_async(&self, bytes: usize, stream: Stream) -> Result<DevicePtr> {
-        self.do_mem_alloc_async(bytes, stream)
+        self.do_mem_alloc_async(bytes, stream, None)
     }
 
     unsafe fn mem_alloc_from_pool_async(
@@ -844,17 +844,7 @@ impl Driver for SimDriver {
         pool: MemPool,
         stream: Stream,
     ) -> Result<DevicePtr> {
-        {
-            let mut st = self.enter("cuMemAllocFromPoolAsync", Some(stream), None, None)?;
-            if !st.pools.contains_key(&pool.0) {
-                return Self::fail(
-                    &mut st,
-                    ErrorCode::ERROR_INVALID_VALUE,
-                    "cuMemAllocFromPoolAsync",
-                );
-            }
-        }
-        self.mem_alloc_async(bytes, stream)
+        self.do_mem_alloc_async(bytes, stream, Some(pool))
     }
 
     unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
@@ -927,9 +917,14 @@ impl Driver for SimDriver {
         };
         Ok(match attr {
             MemPoolAttr::ReleaseThreshold => threshold,
-            MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => {
-                st.counters.live_alloc_bytes
-            }
+            // Each pool counts its own live allocations only (the simulation caches no freed
+            // memory, so what is reserved is what is used).
+            MemPoolAttr::ReservedMemCurrent | MemPoolAttr::UsedMemCurrent => st
+                .allocs
+                .values()
+                .filter(|a| a.pool == pool.0 && !a.graph_owned)
+                .map(|a| a.data.len() as u64)
+                .sum(),
         })
     }
 
