@@ -50,6 +50,9 @@ fn crate_work_on_a_stream_its_borrower_captures_is_refused() {
     assert_eq!(unsafe { d.graph_node_count(g) }.unwrap(), 0);
     // Launched after the buffers are gone, the graph touches nothing of theirs.
     drop((x, y));
+    // The borrower's own raw calls run with the context current (the crate leaves the thread's
+    // current context as it found it).
+    ctx.bind().unwrap();
     // SAFETY: `g` is live; the exec is made, launched and destroyed here on the live lent stream.
     unsafe {
         let e = d.graph_instantiate(g).unwrap();
