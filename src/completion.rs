@@ -101,6 +101,9 @@ struct HubState {
     incoming: Vec<Arc<Entry>>,
     /// Whether the poller is parked (waiting for `incoming`).
     parked: bool,
+    /// Whether the poller is running user code (wakers, and the drops of what entries kept):
+    /// set under this lock only while `stop` is unset (see [`Hub::stop`]).
+    running: bool,
     /// Pinned staging blocks for copies to the host, by size class (power of two bytes).
     staging: Vec<(usize, Vec<usize>)>,
     /// Every staging block ever allocated (freed at teardown): (address, bytes).
@@ -134,6 +137,7 @@ impl Hub {
                 next_seq: Vec::new(),
                 incoming: Vec::new(),
                 parked: false,
+                running: false,
                 staging: Vec::new(),
                 staging_all: Vec::new(),
             }),
@@ -212,7 +216,12 @@ impl Hub {
 
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
     /// ones. Spins briefly after a landing, then yields for up to 1 ms, then sleeps 50 µs at a
-    /// time; parks while nothing is pending. Returns the entries still pending when stopped.
+    /// time; parks while nothing is pending. Returns the entries still pending (or landed but not
+    /// finished) when stopped.
+    ///
+    /// User code (the wakers of landed entries, the drops of what they kept) runs only between
+    /// two checks of `stop` under the state lock, with `running` set, and with no lock held;
+    /// once it has seen `stop` the poller reads no flag again and returns.
     fn poll_loop(&self) -> Vec<Arc<Entry>> {
         let _ = IN_POLLER.try_with(|p| p.set(true));
         let mut mine: Vec<Arc<Entry>> = Vec::new();
@@ -234,20 +243,37 @@ impl Hub {
             if self.stop.load(Ordering::Acquire) {
                 return mine;
             }
-            let mut freed = Vec::new();
+            let mut landed = Vec::new();
             mine.retain(|e| {
                 if e.landed() {
-                    e.finish();
-                    freed.push(e.slot);
+                    landed.push(e.clone());
                     false
                 } else {
                     true
                 }
             });
-            if !freed.is_empty() {
+            if !landed.is_empty() {
+                {
+                    let mut st = lock(&self.state);
+                    if self.stop.load(Ordering::Acquire) {
+                        // The teardown has begun: it finishes these (no user code here now).
+                        mine.append(&mut landed);
+                        return mine;
+                    }
+                    st.running = true;
+                }
+                for e in &landed {
+                    e.finish();
+                }
+                let freed = landed.iter().map(|e| e.slot);
                 self.completed
-                    .fetch_add(freed.len() as u64, Ordering::Relaxed);
-                lock(&self.state).free.extend(freed);
+                    .fetch_add(landed.len() as u64, Ordering::Relaxed);
+                {
+                    let mut st = lock(&self.state);
+                    st.running = false;
+                    st.free.extend(freed);
+                }
+                drop(landed);
                 last = Instant::now();
                 spins = 0;
             } else if spins < 64 {
@@ -302,21 +328,40 @@ impl Hub {
         }
     }
 
-    /// Stops the poller and frees the slabs and staging blocks, at the context's teardown (the
-    /// context is current, the streams have been drained). Memory that a write may still target
-    /// (an entry that has not landed) is leaked instead of freed.
-    pub(crate) fn shutdown(&self) {
-        {
-            // Under the state lock: the poller checks `stop` under it before it waits, so the
-            // notification below cannot fall between its check and its wait (found by the
-            // fuzzer: a lost wake-up hung the teardown).
-            let _st = lock(&self.state);
+    /// Stops the poller, at the start of the context's teardown. Returns whether the calling
+    /// thread may wait for the poller to exit ([`Hub::shutdown`]): the poller runs no user code
+    /// from now on. Not so on the poller's own thread, nor while the poller runs user code
+    /// (a waker), which may wait for the calling thread: then the teardown is run by a thread
+    /// of its own, and the poller, which still reads the flags, exits before anything is freed.
+    pub(crate) fn stop(&self) -> bool {
+        let running = {
+            // Under the state lock: the poller checks `stop` under it before it waits and before
+            // it runs user code, so the notification below cannot fall between its check and
+            // its wait (found by the fuzzer: a lost wake-up hung the teardown), and `running`
+            // cannot be set after this.
+            let st = lock(&self.state);
             self.stop.store(true, Ordering::Release);
-        }
+            st.running
+        };
         self.cv.notify_all();
-        if IN_POLLER.try_with(|p| p.get()).unwrap_or(true) {
-            // The last context reference was dropped by a waker the poller called: the poller
-            // is still reading flags, so the slabs are leaked rather than freed under it.
+        !running && !IN_POLLER.try_with(|p| p.get()).unwrap_or(true)
+    }
+
+    /// Whether the calling thread is the completion poller of any context.
+    pub(crate) fn on_poller_thread() -> bool {
+        IN_POLLER.try_with(|p| p.get()).unwrap_or(false)
+    }
+
+    /// Waits for the poller to exit (stopping it, if [`Hub::stop`] was not called) and frees the
+    /// slabs and staging blocks, at the context's teardown (the context is current, the streams
+    /// have been drained). Memory that a write may still target (an entry that has not landed)
+    /// is leaked instead of freed. Never on the poller's thread, nor on a thread that a waker the
+    /// poller runs may wait for (see [`Hub::stop`]).
+    pub(crate) fn shutdown(&self) {
+        self.stop();
+        if Hub::on_poller_thread() {
+            // Never waits for itself (the teardown is handed off the poller's thread before
+            // this): leaked rather than freed under the poller.
             return;
         }
         let mut pending = match lock(&self.thread).take() {
@@ -417,11 +462,13 @@ impl Future for Completion {
         if st.done || e.landed() {
             return Poll::Ready(Ok(()));
         }
-        match &st.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => st.waker = Some(cx.waker().clone()),
-        }
+        // A replaced waker is dropped after the lock (its drop is user code).
+        let replaced = match &st.waker {
+            Some(w) if w.will_wake(cx.waker()) => None,
+            _ => st.waker.replace(cx.waker().clone()),
+        };
         drop(st);
+        drop(replaced);
         // The flag may have landed (and the poller passed by) between the check and storing the
         // waker: check again, so that the wake-up cannot be lost.
         if e.landed() {

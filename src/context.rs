@@ -1420,12 +1420,32 @@ impl Drop for CtxInner {
         if self.torn_down {
             return;
         }
-        if on_host_fn_thread() {
-            // The teardown waits for the GPU and calls the driver: move it off this thread.
-            let moved = self.take_state();
-            off_host_fn_thread(move || drop(moved));
+        // The teardown runs here unless it cannot complete here: on a host-function thread it
+        // would call the driver and wait for the GPU (for the running host function itself);
+        // on the completion poller's thread (a waker it runs dropped the last context) the
+        // poller still reads the flags that the teardown frees, and it cannot wait for itself;
+        // while the poller runs a waker, that waker may wait for this thread. Then the
+        // teardown is handed to a thread of its own. Stopping the poller first means it runs no
+        // user code once this thread may wait for it.
+        let here = !on_host_fn_thread() && self.hub.get().is_none_or(|h| h.stop());
+        if !here {
+            let mut moved = self.take_state();
+            crate::hostfn::on_thread_of_its_own(move || moved.teardown());
             return;
         }
+        self.teardown();
+    }
+}
+
+impl CtxInner {
+    /// The teardown: waits for the streams' work, frees what is left, destroys the streams and
+    /// the crate's memory pool, stops the completion poller (waiting for it to exit) and frees
+    /// its memory, and releases the primary context. Never on a host-function thread or the
+    /// poller's thread, nor on a thread that a waker the poller runs may wait for (see
+    /// [`Drop for CtxInner`](CtxInner)).
+    fn teardown(&mut self) {
+        // Once: the drop that follows does nothing.
+        self.torn_down = true;
         // Everything of this context is gone (owners, streams, buffers and graphs hold it
         // alive). One scope of the device rules for the whole teardown: the context current
         // and relaxed mode (it invalidates no capture) once, the caller's restored at the end.

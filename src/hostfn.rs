@@ -42,19 +42,26 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
     if !on_host_fn_thread() {
         return f();
     }
+    on_thread_of_its_own(f)
+}
+
+/// Runs a destructor's work on a thread of its own, detached (if no thread can be started, the
+/// work is leaked: leaking is safe, running it where it cannot complete is not).
+pub(crate) fn on_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
     let job = Arc::new(Mutex::new(Some(f)));
     let run = job.clone();
     let spawned = std::thread::Builder::new()
         .name("cuda-stream-pool-drop".into())
         .spawn(move || {
-            if let Some(f) = run.lock().take() {
+            // Taken out first: the work runs without the job's lock.
+            let f = run.lock().take();
+            if let Some(f) = f {
                 f()
             }
         });
     if spawned.is_err() {
-        if let Some(f) = job.lock().take() {
-            std::mem::forget(f);
-        }
+        let f = job.lock().take();
+        std::mem::forget(f);
     }
 }
 
@@ -105,12 +112,15 @@ pub(crate) fn wake_task(w: std::task::Waker) {
             let spawned = std::thread::Builder::new()
                 .name("cuda-stream-pool-wake".into())
                 .spawn(move || {
-                    if let Some(w) = c2.lock().take() {
+                    // Taken out first: the waker runs without the cell's lock.
+                    let w = c2.lock().take();
+                    if let Some(w) = w {
                         run(w)
                     }
                 });
             if spawned.is_err() {
-                if let Some(w) = cell.lock().take() {
+                let w = cell.lock().take();
+                if let Some(w) = w {
                     run(w)
                 }
             }

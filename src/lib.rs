@@ -102,6 +102,15 @@
 //!   another stream, host functions, nested graph launches) are refused with
 //!   [`Error::CaptureInProgress`] before any driver call; a capture guard borrows its stream's
 //!   holder and is not `Send`, so the capture ends on its own thread.
+//! * **No user code under the crate's locks.** Wakers are woken, replaced wakers dropped, and
+//!   owners, buffers, contexts and streams taken out of the crate's lists dropped only after the
+//!   lock that guarded them is released, so a waker whose wake or drop re-enters the crate (drops
+//!   an [`Owner`], polls its future inline, drops the last [`Context`]) cannot deadlock it.
+//! * **Teardown where it can complete.** The last [`Context`] dropped on a host-function thread,
+//!   on the completion poller's thread (by a waker it runs), or while the poller runs a waker
+//!   (which may wait for the dropping thread) is torn down on a thread of its own, which waits
+//!   for the poller to exit before freeing the memory it reads. The drop returns at once then;
+//!   the context's streams, memory and primary-context retain go shortly after.
 //!
 //! What is `unsafe`, and what it requires of you:
 //!
@@ -148,6 +157,19 @@
 //!   driver.
 //! * A host copy whose wait fails keeps its (staging) host memory with the context until the copy
 //!   is known complete; it is leaked if that never happens.
+//! * The thread's implicit owner ([`Context::stream`], [`Context::with_thread_owner`],
+//!   [`Context::set_priority`]) is refused in a host function: the driver's host-function thread
+//!   never exits, so an owner made there would keep the context forever.
+//! * A forgotten (`mem::forget`) [`OwnerReady`] that is waiting at the cap keeps its place in
+//!   the key's queue forever, as an owner that is never dropped keeps its stream: the first stream
+//!   released idle while it waits is handed to it and lost with it (the key has one stream fewer
+//!   under its cap from then on), and while it is the first waiter the notifications that make
+//!   the first waiter try again (a stream released busy that completes later, a destroy) go to it
+//!   alone, so the waiters behind it are served only by streams released idle (each handed to the
+//!   next waiter in turn). The crate does not try to detect a forgotten waiter: without a timeout
+//!   it cannot be told from a slow one. This is the choice tokio makes for its fair `Semaphore`,
+//!   whose `Acquire` future, if forgotten, keeps its place in the queue and the permits assigned
+//!   to it: leaking is safe, and what a leaked value holds stays taken.
 //!
 //! ## Drivers
 //!

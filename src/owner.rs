@@ -679,6 +679,14 @@ fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
     if let Some(o) = attached {
         return Ok(o);
     }
+    if crate::context::on_host_fn_thread() {
+        // Refused before anything is made: an implicit owner made here would live in the
+        // driver's host-function thread, which never exits, and keep the context forever.
+        return Err(Error::invalid(
+            "the thread's implicit owner cannot be used in a host function (the driver's \
+             host-function thread never exits: it would keep the context alive forever)",
+        ));
+    }
     IMPLICIT
         .try_with(|m| {
             let mut m = m.borrow_mut();
@@ -719,7 +727,8 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when called while the thread is exiting.
+    /// [`Error::InvalidArgument`] when called while the thread is exiting, or in a host function
+    /// (nothing is made there).
     pub fn with_thread_owner<R>(&self, f: impl FnOnce(&Owner) -> R) -> Result<R> {
         let owner = thread_owner(self)?;
         Ok(f(&owner))
@@ -739,7 +748,9 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// As [`Owner::stream`]; [`Error::InvalidArgument`] while the thread is exiting.
+    /// As [`Owner::stream`]; [`Error::InvalidArgument`] while the thread is exiting, or in a host
+    /// function (refused before an implicit owner is made: the driver's host-function thread
+    /// never exits, so that owner would keep the context forever).
     pub fn stream(&self) -> Result<StreamRef<'static>> {
         thread_owner(self)?.stream_shared()
     }
@@ -757,7 +768,8 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// As [`Owner::set_priority`]; [`Error::InvalidArgument`] while the thread is exiting.
+    /// As [`Owner::set_priority`]; [`Error::InvalidArgument`] while the thread is exiting, or
+    /// in a host function.
     pub fn set_priority(&self, p: Priority) -> Result<()> {
         self.with_thread_owner(|o| o.set_priority(p))?
     }

@@ -613,9 +613,17 @@ impl Gate {
     }
 
     /// A stream of the key is gone (destroyed, or its creation failed): a waiter may create.
+    /// Never under a lock of the pool: the notification runs the waiter's waker, which may poll
+    /// its future inline (and search the pool).
     fn gone(&self) {
-        self.live.fetch_sub(1, Ordering::AcqRel);
+        self.uncount();
         self.notify();
+    }
+
+    /// [`Gate::gone`] without the notification, for a caller holding a lock of the pool: it
+    /// calls [`Gate::notify`] (once per stream gone) after releasing it.
+    fn uncount(&self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Notifies the first waiter, if any. Takes no lock but the queue's and calls no driver
@@ -701,26 +709,35 @@ impl Gate {
 
     /// Whether waiter `id` should attempt now (it is first and was notified; the flag is
     /// cleared). Otherwise records how to wake it.
+    /// The waker it replaces is dropped after the queue's lock (its drop is user code, which
+    /// may re-enter the gate).
     fn turn(&self, id: u64, wake: &dyn Fn() -> Wake, same: &dyn Fn(&Wake) -> bool) -> bool {
-        let mut q = self.queue();
-        let Some(pos) = q.list.iter().position(|w| w.id == id) else {
-            return true;
-        };
-        let w = &mut q.list[pos];
-        if pos == 0 && w.notified > 0 {
-            w.consumed = std::mem::take(&mut w.notified);
-            return true;
+        let replaced;
+        {
+            let mut q = self.queue();
+            let Some(pos) = q.list.iter().position(|w| w.id == id) else {
+                return true;
+            };
+            let w = &mut q.list[pos];
+            if pos == 0 && w.notified > 0 {
+                w.consumed = std::mem::take(&mut w.notified);
+                return true;
+            }
+            if same(&w.wake) {
+                return false;
+            }
+            replaced = std::mem::replace(&mut w.wake, wake());
         }
-        if !same(&w.wake) {
-            w.wake = wake();
-        }
+        drop(replaced);
         false
     }
 
     /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
+    /// The leaving waiter's waker is dropped, and the others are woken, after the queue's lock.
     fn leave(&self, id: u64, served: bool) {
         let mut wakes: SmallVec<[Wake; 2]> = SmallVec::new();
         let mut handed_to = None;
+        let left;
         {
             let mut q = self.queue();
             let Some(pos) = q.list.iter().position(|w| w.id == id) else {
@@ -730,7 +747,10 @@ impl Gate {
                 return;
             };
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            if let Some((slot, gen)) = w.handed.take() {
+            let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
+            let handed = w.handed.take();
+            left = w;
+            if let Some((slot, gen)) = handed {
                 // Left without the stream handed to it (idle, and unused since): to the next
                 // waiter without one, else back to the pool (and the first waiter notified).
                 match q.list.iter_mut().find(|n| n.handed.is_none()) {
@@ -747,7 +767,6 @@ impl Gate {
                 }
             }
             // The first waiter leaves: the next one inherits what it did not use.
-            let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
             if pos == 0 && pass > 0 {
                 if let Some(n) = q.list.front_mut() {
                     n.notified = n.notified.saturating_add(pass);
@@ -757,6 +776,7 @@ impl Gate {
                 }
             }
         }
+        drop(left);
         for w in wakes {
             w.wake();
         }
@@ -1122,8 +1142,10 @@ impl Pool {
             if self.retired.load(Ordering::Acquire) <= keep {
                 return;
             }
+            let mut gone = 0;
             let mut list = self.shard(i);
             let mut j = 0;
+            let mut done = false;
             while j < list.len() {
                 // Claim one stream of the excess first, so that concurrent trims (on other
                 // shards) never bring the count below `keep` together.
@@ -1134,30 +1156,41 @@ impl Pool {
                     })
                     .is_err()
                 {
-                    return;
+                    done = true;
+                    break;
                 }
                 if destroy_idle(driver, &list[j], false).unwrap_or(false) {
                     list.remove(j);
                     self.counters.destroyed.fetch_add(1, Ordering::Release);
-                    self.gate.gone();
+                    self.gate.uncount();
+                    gone += 1;
                     self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
                 } else {
                     self.retired.fetch_add(1, Ordering::AcqRel);
                     j += 1;
                 }
             }
+            // The waiters are notified after the shard's lock (a waker may search the pool).
+            drop(list);
+            for _ in 0..gone {
+                self.gate.notify();
+            }
+            if done {
+                return;
+            }
         }
     }
 
     /// Destroys a retired stream if it is idle (with `wait`, after waiting for its work).
-    /// Returns whether it did; the caller removes it from its list.
+    /// Returns whether it did; the caller removes it from its list and, after releasing the
+    /// list's lock, notifies the gate ([`Gate::notify`]) once per stream destroyed.
     fn destroy_if_idle(&self, driver: &dyn Driver, slot: &Arc<Slot>, wait: bool) -> Result<bool> {
         if !destroy_idle(driver, slot, wait)? {
             return Ok(false);
         }
         self.retired.fetch_sub(1, Ordering::AcqRel);
         self.counters.destroyed.fetch_add(1, Ordering::Release);
-        self.gate.gone();
+        self.gate.uncount();
         Ok(true)
     }
 
@@ -1235,13 +1268,14 @@ impl Pool {
         let mut n = 0;
         let mut first_err = None;
         for i in 0..self.shards.len() {
+            let mut gone = 0;
             let mut list = self.shard(i);
             let mut j = 0;
             while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
                 match self.destroy_if_idle(driver, &list[j], wait) {
                     Ok(true) => {
                         list.remove(j);
-                        n += 1;
+                        gone += 1;
                     }
                     Ok(false) => j += 1,
                     Err(e) => {
@@ -1250,6 +1284,12 @@ impl Pool {
                     }
                 }
             }
+            // The waiters are notified after the shard's lock (a waker may search the pool).
+            drop(list);
+            for _ in 0..gone {
+                self.gate.notify();
+            }
+            n += gone;
         }
         match first_err {
             Some(e) => Err(e),

@@ -1,0 +1,168 @@
+//! The context's teardown where it cannot run in place: on the completion poller's thread (a
+//! waker the poller runs drops the last `Context`), and on a thread the poller's waker waits for.
+//! The teardown is handed to a thread where it can complete; it frees everything once it has.
+//!
+//! Waits are hang guards only ([`HANG`]): each scenario finishes in milliseconds.
+
+mod common;
+
+#[path = "common/futures.rs"]
+mod futures_util;
+use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::{Context, StreamRef};
+use futures_util::poll;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{Wake, Waker};
+use std::time::{Duration, Instant};
+
+const HANG: Duration = Duration::from_secs(60);
+
+/// Waits until the simulated context is released (the teardown's last step).
+fn until_released(sim: &SimDriver) {
+    let t = Instant::now();
+    while sim.counters().live_contexts != 0 {
+        assert!(
+            t.elapsed() < HANG,
+            "deadlock: the context was never torn down"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// A waker that drops the last `Context` when woken (on the completion poller's thread).
+struct DropsContext {
+    ctx: Mutex<Option<Context>>,
+    done: Mutex<mpsc::Sender<()>>,
+}
+impl Wake for DropsContext {
+    fn wake(self: Arc<Self>) {
+        let c = self.ctx.lock().unwrap().take();
+        drop(c);
+        let _ = self.done.lock().unwrap().send(());
+    }
+}
+
+/// Runs the scenario: a completion's waker, run by the poller, drops the last context while a
+/// second completion (its future dropped) that landed with it is still in the poller's list.
+/// `hold` keeps the stream busy (so that both are pending when polled), `release` lets its work
+/// complete.
+fn last_context_dropped_by_a_poller_waker(
+    d: Arc<dyn Driver>,
+    hold: impl FnOnce(&StreamRef<'_>),
+    release: impl FnOnce(),
+) {
+    let ctx = Context::primary(d, 0).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    hold(&s);
+    let mut first = Box::pin(s.completed().unwrap());
+    let second = s.completed().unwrap();
+    let w = Waker::from(Arc::new(DropsContext {
+        ctx: Mutex::new(Some(ctx)),
+        done: Mutex::new(tx),
+    }));
+    assert!(poll(first.as_mut(), &w).is_pending(), "the stream is held");
+    drop((w, first, second, s));
+    drop(o);
+    release();
+    rx.recv_timeout(HANG)
+        .expect("the poller never ran the waker");
+}
+
+// Regression: issue 19 defect 4 (teardown on the completion poller's thread: slabs leaked, flags read after release)
+#[test]
+fn last_context_dropped_by_a_poller_waker_is_torn_down_completely() {
+    let sim = Arc::new(SimDriver::new());
+    let (s1, s2) = (sim.clone(), sim.clone());
+    last_context_dropped_by_a_poller_waker(
+        sim.clone(),
+        move |s| s1.enqueue_work(s.raw(), 1_000).unwrap(),
+        move || s2.advance(1_000),
+    );
+    until_released(&sim);
+    let c = sim.counters();
+    assert_eq!(
+        c.live_host_allocs, 0,
+        "the completion slabs were leaked by the teardown on the poller's thread: {c:?}"
+    );
+    assert_eq!(c.live_streams, 0, "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+/// The same on the H200: the old code released the primary context (freeing the slabs' pinned
+/// memory) on the poller's thread, which then read the second completion's flag: SIGSEGV.
+// Regression: issue 19 defect 4 (teardown on the completion poller's thread: SIGSEGV on the H200)
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_last_context_dropped_by_a_poller_waker_does_not_crash() {
+    for _ in 0..20 {
+        let (gate_tx, gate_rx) = mpsc::channel::<()>();
+        last_context_dropped_by_a_poller_waker(
+            common::cuda(),
+            move |s| {
+                // Holds the stream until released (a host function may block; it calls no
+                // driver function).
+                s.launch_host_func(move || {
+                    let _ = gate_rx.recv_timeout(HANG);
+                })
+                .unwrap()
+            },
+            move || gate_tx.send(()).unwrap(),
+        );
+    }
+}
+
+/// A waker that waits until another thread has dropped the last `Context` (a hang guard of
+/// [`HANG`] instead of forever), and records whether it saw that.
+struct WaitsForDrop {
+    started: Mutex<mpsc::Sender<()>>,
+    dropped: Mutex<mpsc::Receiver<()>>,
+    saw: AtomicBool,
+}
+impl Wake for WaitsForDrop {
+    fn wake(self: Arc<Self>) {
+        let _ = self.started.lock().unwrap().send(());
+        let ok = self.dropped.lock().unwrap().recv_timeout(HANG).is_ok();
+        self.saw.store(ok, Ordering::SeqCst);
+    }
+}
+
+// Regression: issue 19 defect 7 (dropping the last Context joins the poller running a waker that waits for the dropping thread)
+#[test]
+fn dropping_the_last_context_does_not_wait_for_a_poller_waker_that_waits_for_it() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let (started_tx, started_rx) = mpsc::channel();
+    let (dropped_tx, dropped_rx) = mpsc::channel();
+    let waker = Arc::new(WaitsForDrop {
+        started: Mutex::new(started_tx),
+        dropped: Mutex::new(dropped_rx),
+        saw: AtomicBool::new(false),
+    });
+    {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        sim.enqueue_work(s.raw(), 1_000).unwrap();
+        let mut done = Box::pin(s.completed().unwrap());
+        assert!(poll(done.as_mut(), &Waker::from(waker.clone())).is_pending());
+    }
+    sim.advance(1_000); // the completion lands: the poller runs the waker, which waits
+    started_rx
+        .recv_timeout(HANG)
+        .expect("the poller never ran the waker");
+    let dropper = std::thread::spawn(move || {
+        drop(ctx); // the last reference: the teardown
+        let _ = dropped_tx.send(());
+    });
+    dropper.join().unwrap();
+    until_released(&sim);
+    assert!(
+        waker.saw.load(Ordering::SeqCst),
+        "deadlock: the teardown waited for the poller, whose waker waited for the teardown"
+    );
+    let c = sim.counters();
+    assert_eq!(c.live_host_allocs, 0, "{c:?}");
+    assert_eq!(c.live_streams, 0, "{c:?}");
+}

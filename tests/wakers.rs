@@ -1,0 +1,266 @@
+//! Wakers that re-enter the crate: their wake or their drop runs crate code (an owner dropped,
+//! a future polled inline). The crate runs no user code while it holds one of its locks, so
+//! none of these deadlocks.
+//!
+//! A deadlock of the old code is a thread relocking a `std::sync::Mutex` it holds: each scenario
+//! runs on a thread of its own, and the test fails when that thread has not finished after
+//! [`HANG`] (a hang guard only: the scenarios finish in microseconds when nothing deadlocks).
+
+#[path = "common/futures.rs"]
+mod futures_util;
+use cuda_stream_pool::driver::SimDriver;
+use cuda_stream_pool::{Context, ContextOptions, Owner, OwnerReady};
+use futures_util::{poll, waker};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{Poll, Wake, Waker};
+use std::time::Duration;
+
+const HANG: Duration = Duration::from_secs(60);
+
+/// Runs `f` on a thread of its own; fails the test ("deadlock") when it has not finished after
+/// [`HANG`].
+fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(HANG) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("deadlock: {what} did not finish within {HANG:?}"),
+    }
+}
+
+fn capped(n: usize) -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(n));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    (sim, ctx)
+}
+
+/// A waker that owns an `Owner`: dropping the waker's last reference drops the owner, which
+/// gives its stream back to the pool (and hands it to a waiter of the gate).
+struct HoldsOwner(#[allow(dead_code)] Mutex<Option<Owner>>);
+impl Wake for HoldsOwner {
+    fn wake(self: Arc<Self>) {}
+}
+
+fn holding(o: Owner) -> Waker {
+    Waker::from(Arc::new(HoldsOwner(Mutex::new(Some(o)))))
+}
+
+// Regression: issue 19 defect 5 (a waker replaced under the gate's queue lock drops an Owner)
+#[test]
+fn replacing_a_waiters_waker_that_owns_an_owner_does_not_deadlock() {
+    let (_sim, ctx) = capped(1);
+    let r = finishes("polling with a new waker", move || {
+        let holder = ctx.owner();
+        holder.stream().unwrap(); // the key's only stream
+        let mut fut = Box::pin(ctx.owner().ready());
+        let w1 = holding(holder);
+        assert!(poll(fut.as_mut(), &w1).is_pending(), "at the cap: waits");
+        drop(w1); // the gate's queue holds the last clone
+        let (count, w2) = waker();
+        // Another waker: the queue replaces (drops) the first one, which drops the holder: its
+        // stream goes back and is handed to this very waiter.
+        let second = poll(fut.as_mut(), &w2);
+        let woken = count.0.load(Ordering::SeqCst);
+        let third = poll(fut.as_mut(), &w2);
+        (second.is_pending(), woken, third.map(|r| r.is_ok()))
+    });
+    assert!(r.0, "the second poll had no stream yet");
+    assert_eq!(
+        r.1, 1,
+        "the stream handed to the waiter woke its new waker once"
+    );
+    assert_eq!(
+        r.2,
+        Poll::Ready(true),
+        "the handed stream serves the waiter"
+    );
+}
+
+// Regression: issue 19 defect 5 (a leaving waiter's waker dropped under the gate's queue lock)
+#[test]
+fn a_leaving_waiters_waker_that_owns_an_owner_does_not_deadlock() {
+    let (_sim, ctx) = capped(1);
+    let r = finishes("dropping a waiting future", move || {
+        let holder = ctx.owner();
+        holder.stream().unwrap();
+        let mut first = Box::pin(ctx.owner().ready());
+        let w1 = holding(holder);
+        assert!(poll(first.as_mut(), &w1).is_pending());
+        drop(w1);
+        let mut second = Box::pin(ctx.owner().ready());
+        let (count, w2) = waker();
+        assert!(poll(second.as_mut(), &w2).is_pending());
+        // The first waiter leaves: the queue drops its waker, which drops the holder; the
+        // stream goes to the second waiter.
+        drop(first);
+        let woken = count.0.load(Ordering::SeqCst);
+        (woken, poll(second.as_mut(), &w2).map(|r| r.is_ok()))
+    });
+    assert!(r.0 >= 1, "the second waiter was not woken");
+    assert_eq!(
+        r.1,
+        Poll::Ready(true),
+        "the stream serves the second waiter"
+    );
+}
+
+/// A task whose waker polls its future inline (as some executors do), once enabled. A wake that
+/// arrives while the future is being polled only counts.
+struct Inline {
+    fut: Mutex<Option<Pin<Box<OwnerReady>>>>,
+    inline: AtomicBool,
+    /// Wake-ups that only count although `inline` is set.
+    skip: AtomicUsize,
+    wakes: AtomicUsize,
+    got: Mutex<Option<bool>>,
+}
+
+impl Inline {
+    fn new(f: OwnerReady) -> Arc<Inline> {
+        Arc::new(Inline {
+            fut: Mutex::new(Some(Box::pin(f))),
+            inline: AtomicBool::new(false),
+            skip: AtomicUsize::new(0),
+            wakes: AtomicUsize::new(0),
+            got: Mutex::new(None),
+        })
+    }
+
+    fn poll(self: &Arc<Self>) -> bool {
+        let Ok(mut g) = self.fut.try_lock() else {
+            return false;
+        };
+        let Some(f) = g.as_mut() else {
+            return true;
+        };
+        let w = Waker::from(self.clone());
+        match f.as_mut().poll(&mut std::task::Context::from_waker(&w)) {
+            Poll::Pending => false,
+            Poll::Ready(r) => {
+                *self.got.lock().unwrap() = Some(r.is_ok());
+                *g = None;
+                true
+            }
+        }
+    }
+}
+
+impl Wake for Inline {
+    fn wake(self: Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        if self.inline.load(Ordering::SeqCst)
+            && self
+                .skip
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_err()
+        {
+            self.poll();
+        }
+    }
+}
+
+fn wait_idle(sim: &SimDriver, raw: cuda_stream_pool::driver::Stream) {
+    let t = std::time::Instant::now();
+    while sim.is_busy(raw) {
+        assert!(t.elapsed() < HANG, "the stream never became idle");
+        std::thread::yield_now();
+    }
+}
+
+// Regression: issue 19 defect 6 (trim wakes a waiter under a shard lock; its inline poll relocks it)
+#[test]
+fn trim_wakes_an_inline_polling_waiter_after_releasing_the_pool() {
+    let (sim, ctx) = capped(2);
+    let task = finishes("trim waking an inline waiter", move || {
+        let (a, b) = (ctx.owner(), ctx.owner());
+        let (sa, sb) = (a.stream().unwrap().raw(), b.stream().unwrap().raw());
+        sim.enqueue_work(sa, 1_000).unwrap();
+        sim.enqueue_work(sb, 1_000_000_000).unwrap();
+        drop((a, b)); // both retired, busy, in this thread's shard
+        let task = Inline::new(ctx.owner().ready());
+        assert!(!task.poll(), "at the cap, both retired streams busy: waits");
+        sim.advance(1_000); // the first stream's work completes (its wake-up function runs)
+        wait_idle(&sim, sa);
+        task.inline.store(true, Ordering::SeqCst);
+        // Destroys the idle stream: a stream of the key is gone, the waiter is woken and polls
+        // inline, searching the pool's shards.
+        ctx.trim().unwrap();
+        task
+    });
+    assert_eq!(
+        *task.got.lock().unwrap(),
+        Some(true),
+        "the waiter was not served by the destroyed stream's place (woken {} times)",
+        task.wakes.load(Ordering::SeqCst)
+    );
+}
+
+// Regression: issue 19 defect 6 (a release's trim of the excess wakes a waiter under a shard lock)
+#[test]
+fn trimming_the_excess_wakes_an_inline_polling_waiter_after_releasing_the_pool() {
+    let n = cuda_stream_pool::MAX_IDLE + 2;
+    let (sim, ctx) = capped(n);
+    let task = finishes("a release trimming the excess", move || {
+        let owners: Vec<Owner> = (0..n).map(|_| ctx.owner()).collect();
+        let raws: Vec<_> = owners.iter().map(|o| o.stream().unwrap().raw()).collect();
+        sim.enqueue_work(raws[0], 1_000).unwrap();
+        for &r in &raws[1..] {
+            sim.enqueue_work(r, 1_000_000_000).unwrap();
+        }
+        let task = Inline::new(ctx.owner().ready());
+        assert!(!task.poll(), "at the cap: waits");
+        let mut owners = owners.into_iter();
+        let last = owners.next_back().unwrap();
+        let _kept = owners.next_back().unwrap();
+        drop(owners); // MAX_IDLE retired, all busy
+        sim.advance(1_000); // the first one's work completes
+        wait_idle(&sim, raws[0]);
+        // The release notifies the waiter first (that wake-up only counts: polled then, the
+        // waiter would take the idle stream), then trims: one more retired stream than kept
+        // destroys the idle one, and the waiter, woken again, polls inline.
+        task.skip.store(1, Ordering::SeqCst);
+        task.inline.store(true, Ordering::SeqCst);
+        drop(last);
+        task
+    });
+    assert_eq!(
+        *task.got.lock().unwrap(),
+        Some(true),
+        "the waiter was not served (woken {} times)",
+        task.wakes.load(Ordering::SeqCst)
+    );
+}
+
+// Regression: issue 19 defect 14 (a forgotten OwnerReady starves the later waiters of its key)
+/// The documented limit (crate docs, "Leaks"): a forgotten waiting `OwnerReady` keeps its place
+/// in the queue forever, like an owner that never drops; the stream that comes back first is
+/// handed to it and lost with it (the key's cap is one stream smaller from then on), and the
+/// waiters behind it are served by the releases after that.
+#[test]
+fn a_forgotten_waiter_costs_one_stream_and_later_waiters_are_served() {
+    let (_sim, ctx) = capped(2);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    a.stream().unwrap();
+    b.stream().unwrap();
+    let (_, w) = waker();
+    let mut leaked = Box::pin(ctx.owner().ready());
+    assert!(poll(leaked.as_mut(), &w).is_pending());
+    std::mem::forget(leaked);
+    let mut later = Box::pin(ctx.owner().ready());
+    assert!(poll(later.as_mut(), &w).is_pending());
+    drop(a); // handed to the forgotten waiter: lost with it
+    assert!(poll(later.as_mut(), &w).is_pending());
+    assert_eq!(ctx.stats().handed, 1, "the forgotten waiter's stream");
+    drop(b); // the next release serves the later waiter
+    match poll(later.as_mut(), &w) {
+        Poll::Ready(Ok(o)) => drop(o),
+        other => panic!("the waiter behind a forgotten one was not served: {other:?}"),
+    }
+}
