@@ -1336,19 +1336,21 @@ impl Model {
             assert!(misuse.is_empty(), "misuse: {misuse:?}");
             return;
         }
-        // Objects dropped inside host functions are torn down on threads of their own: give
-        // them a moment.
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        // Objects dropped inside host functions, and a last context dropped while the poller
+        // runs a waker, are torn down on threads of their own: wait until they are (a hang
+        // guard only: what is still alive after 60 s is a leak).
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while std::time::Instant::now() < until {
             let c = self.sim.counters();
             if c.live_streams == 0
                 && c.live_allocs == 0
                 && c.live_events == 0
                 && c.live_host_allocs == 0
+                && c.live_contexts == 0
             {
                 break;
             }
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::yield_now();
         }
         let c = self.sim.counters();
         assert_eq!(c.live_streams, 0, "streams leaked: {c:?}");
