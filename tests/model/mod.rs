@@ -1154,12 +1154,17 @@ impl Model {
             self.bufs.iter_mut().for_each(|b| b.val = None);
         }
         self.drv.hook.begin(workers.len());
+        // The workers hold the only references to the buffers handed over: this thread must
+        // not drop one while they run (a last reference dropped here would lock a stream that
+        // a worker stopped at the scheduler holds, outside the schedule).
+        let mut per_worker: Vec<_> = (1..workers.len()).map(|_| bufs.clone()).collect();
+        per_worker.push(bufs);
         let handles: Vec<_> = workers
             .iter()
+            .zip(per_worker)
             .enumerate()
-            .map(|(i, w)| {
+            .map(|(i, (w, bufs))| {
                 let (shared, w, drv) = (shared.clone(), w.clone(), self.drv.clone());
-                let bufs = bufs.clone();
                 std::thread::spawn(move || {
                     let registered = sched::register(&drv, i);
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1172,8 +1177,6 @@ impl Model {
                 })
             })
             .collect();
-        // The workers hold the only references to the buffers handed over.
-        drop(bufs);
         if let Err(e) = self.drv.hook.run(schedule) {
             // The workers are left where they are (joining them would hang the test).
             panic!("{e}; steps: {workers:?}");
