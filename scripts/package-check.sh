@@ -36,6 +36,6 @@ export CARGO_TARGET_DIR="$top/target/package-check"
 (cd "$tmp/cuda-stream-pool-sys-0.1.0" && cargo test)
 # The kernel-launching tests need the `kernels` feature, which the repository enables for them
 # through a self dev-dependency that packaging strips.
-(cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels)
+(cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels,model-hooks)
 CARGO_TARGET_DIR="$top/target/package-verify" cargo publish --workspace "${excl[@]}" --dry-run --allow-dirty
 echo "package-check: OK"
