@@ -458,16 +458,25 @@ impl Future for Completion {
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
         let e = &self.entry;
-        let mut st = lock(&e.state);
-        if st.done || e.landed() {
-            return Poll::Ready(Ok(()));
+        {
+            let st = lock(&e.state);
+            if st.done || e.landed() {
+                return Poll::Ready(Ok(()));
+            }
+            if st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                return Poll::Pending;
+            }
         }
-        // A replaced waker is dropped after the lock (its drop is user code).
-        let replaced = match &st.waker {
-            Some(w) if w.will_wake(cx.waker()) => None,
-            _ => st.waker.replace(cx.waker().clone()),
+        // A waker's clone and drop are user code: the new waker is cloned before the lock, and
+        // the one it replaces dropped after it.
+        let new = cx.waker().clone();
+        let replaced = {
+            let mut st = lock(&e.state);
+            if st.done {
+                return Poll::Ready(Ok(()));
+            }
+            st.waker.replace(new)
         };
-        drop(st);
         drop(replaced);
         // The flag may have landed (and the poller passed by) between the check and storing the
         // waker: check again, so that the wake-up cannot be lost.

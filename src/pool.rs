@@ -499,14 +499,17 @@ pub(crate) enum Mode {
 /// What wakes a waiter: a parked thread or an async task.
 enum Wake {
     Thread(std::thread::Thread),
-    Task(Waker),
+    /// In an `Arc`, so that the queue can copy it under its lock without running the waker's
+    /// clone (user code).
+    Task(Arc<Waker>),
 }
 
 impl Wake {
+    /// Wakes it; never under a lock of the pool (a waker is user code).
     fn wake(self) {
         match self {
             Wake::Thread(t) => t.unpark(),
-            Wake::Task(w) => crate::hostfn::wake_task(w),
+            Wake::Task(w) => crate::hostfn::wake_task(Arc::unwrap_or_clone(w)),
         }
     }
 }
@@ -520,6 +523,8 @@ struct Waiter {
     /// Notifications its current attempt acts on: when it is served, all but one are passed to
     /// the next waiter (each may stand for a stream that came back).
     consumed: u32,
+    /// How to wake it: copied (a reference count, no user code) under the queue's lock by a
+    /// notification, and woken after it.
     wake: Wake,
     /// A stream handed directly to this waiter by a release (idle, already handed over to it):
     /// taken at its next turn, or given back to the pool if it leaves without it.
@@ -527,10 +532,13 @@ struct Waiter {
 }
 
 impl Waiter {
+    /// The waiter's waker, to wake after the queue's lock. Only reference counts are raised: a
+    /// task's `Waker` is shared in an `Arc`, since its own clone is user code (which may
+    /// re-enter the gate).
     fn waker(&self) -> Wake {
         match &self.wake {
             Wake::Thread(t) => Wake::Thread(t.clone()),
-            Wake::Task(k) => Wake::Task(k.clone()),
+            Wake::Task(k) => Wake::Task(Arc::clone(k)),
         }
     }
 }
@@ -708,28 +716,37 @@ impl Gate {
     }
 
     /// Whether waiter `id` should attempt now (it is first and was notified; the flag is
-    /// cleared). Otherwise records how to wake it.
-    /// The waker it replaces is dropped after the queue's lock (its drop is user code, which
-    /// may re-enter the gate).
-    fn turn(&self, id: u64, wake: &dyn Fn() -> Wake, same: &dyn Fn(&Wake) -> bool) -> bool {
-        let replaced;
-        {
+    /// cleared). Otherwise records `wake` as how to wake it, unless it has a waker that is
+    /// `same`. `wake` is made by the caller before the lock (a waker's clone is user code, which
+    /// may re-enter the gate); the waker it replaces, or `wake` when unused, is dropped after
+    /// the lock (a drop is user code too).
+    fn turn(&self, id: u64, wake: Wake, same: &dyn Fn(&Wake) -> bool) -> bool {
+        let unused;
+        let attempt = {
             let mut q = self.queue();
-            let Some(pos) = q.list.iter().position(|w| w.id == id) else {
-                return true;
-            };
-            let w = &mut q.list[pos];
-            if pos == 0 && w.notified > 0 {
-                w.consumed = std::mem::take(&mut w.notified);
-                return true;
+            match q.list.iter().position(|w| w.id == id) {
+                None => {
+                    unused = Some(wake);
+                    true
+                }
+                Some(pos) => {
+                    let w = &mut q.list[pos];
+                    if pos == 0 && w.notified > 0 {
+                        w.consumed = std::mem::take(&mut w.notified);
+                        unused = Some(wake);
+                        true
+                    } else if same(&w.wake) {
+                        unused = Some(wake);
+                        false
+                    } else {
+                        unused = Some(std::mem::replace(&mut w.wake, wake));
+                        false
+                    }
+                }
             }
-            if same(&w.wake) {
-                return false;
-            }
-            replaced = std::mem::replace(&mut w.wake, wake());
-        }
-        drop(replaced);
-        false
+        };
+        drop(unused);
+        attempt
     }
 
     /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
@@ -904,7 +921,7 @@ impl Pool {
             }
             let turn = g.turn(
                 ticket.id,
-                &|| Wake::Thread(std::thread::current()),
+                Wake::Thread(std::thread::current()),
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
@@ -945,7 +962,7 @@ impl Pool {
                     Ok(None) => {}
                 }
             }
-            *ticket = Some(g.join(Wake::Task(cx.waker().clone())));
+            *ticket = Some(g.join(Wake::Task(Arc::new(cx.waker().clone()))));
         }
         let Some(id) = ticket.as_ref().map(|t| t.id) else {
             return Poll::Pending;
@@ -958,9 +975,11 @@ impl Pool {
                 }
                 return Poll::Ready(Ok(found));
             }
+            // Cloned before the queue's lock (a clone is user code), dropped after it when
+            // the queue already has this waker.
             let turn = g.turn(
                 id,
-                &|| Wake::Task(cx.waker().clone()),
+                Wake::Task(Arc::new(cx.waker().clone())),
                 &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
             );
             if !turn {

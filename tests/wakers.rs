@@ -264,3 +264,145 @@ fn a_forgotten_waiter_costs_one_stream_and_later_waiters_are_served() {
         other => panic!("the waiter behind a forgotten one was not served: {other:?}"),
     }
 }
+
+/// A waker whose *clone* runs crate code: clone number `at` drops the `Owner` it holds (which
+/// gives a stream back to the pool, and the pool offers it to the gate's queue). A
+/// `RawWakerVTable` is the only way to make a clone user code; executors' clones are usually
+/// a reference count, but nothing in `Waker`'s contract says so.
+struct CloneDrops {
+    owner: Mutex<Option<Owner>>,
+    clones: AtomicUsize,
+    at: usize,
+}
+
+fn clone_drops(o: Owner, at: usize) -> (Arc<CloneDrops>, Waker) {
+    use std::task::{RawWaker, RawWakerVTable};
+    unsafe fn clone(p: *const ()) -> RawWaker {
+        // SAFETY: `p` came from `Arc::into_raw` of a `CloneDrops` that this waker keeps alive
+        // (one count per waker); the count is raised for the new waker.
+        let a = unsafe {
+            Arc::increment_strong_count(p as *const CloneDrops);
+            &*(p as *const CloneDrops)
+        };
+        if a.clones.fetch_add(1, Ordering::SeqCst) + 1 == a.at {
+            let o = a.owner.lock().unwrap().take();
+            drop(o); // crate code: the owner's stream goes back to the pool
+        }
+        RawWaker::new(p, &VTABLE)
+    }
+    unsafe fn drop_raw(p: *const ()) {
+        // SAFETY: the count this waker held (see `clone`).
+        unsafe { Arc::decrement_strong_count(p as *const CloneDrops) };
+    }
+    unsafe fn wake(p: *const ()) {
+        // SAFETY: as `drop_raw`: waking by value consumes the waker.
+        unsafe { drop_raw(p) }
+    }
+    unsafe fn wake_by_ref(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake_by_ref, drop_raw);
+    let a = Arc::new(CloneDrops {
+        owner: Mutex::new(Some(o)),
+        clones: AtomicUsize::new(0),
+        at,
+    });
+    let raw = RawWaker::new(Arc::into_raw(a.clone()) as *const (), &VTABLE);
+    // SAFETY: the vtable's functions keep the contract of `RawWakerVTable` (a clone is a new
+    // strong count, a drop or wake by value gives one back; none is ever called after the last).
+    (a, unsafe { Waker::from_raw(raw) })
+}
+
+// Regression: issue 19 review finding (a waiter's waker cloned under the gate's queue lock when a
+// release hands it a stream: a clone that gives back a stream relocked the queue)
+#[test]
+fn a_waker_whose_clone_releases_a_stream_does_not_deadlock_the_gate() {
+    // Whichever clone gives the stream back (when the waiter joins, re-registers, or is handed
+    // a stream by `a`'s release), the waiter is served and the key keeps its two streams.
+    for at in 1..=4 {
+        let (_sim, ctx) = capped(2);
+        let r = finishes(
+            "a release handing a stream to a cloning waiter",
+            move || {
+                let (a, b) = (ctx.owner(), ctx.owner());
+                a.stream().unwrap();
+                b.stream().unwrap();
+                let (state, w) = clone_drops(b, at);
+                let mut fut = Box::pin(ctx.owner().ready());
+                let mut served = matches!(poll(fut.as_mut(), &w), Poll::Ready(Ok(_)));
+                drop(a);
+                for _ in 0..3 {
+                    if !served {
+                        served = matches!(poll(fut.as_mut(), &w), Poll::Ready(Ok(_)));
+                    }
+                }
+                drop(fut);
+                (
+                    state.clones.load(Ordering::SeqCst),
+                    served,
+                    ctx.stats().live,
+                )
+            },
+        );
+        assert!(r.0 >= 1, "clone {at}: the waiter's waker was never cloned");
+        assert!(r.1, "clone {at}: the waiter was not served");
+        assert!(r.2 <= 2, "clone {at}: {} streams of a key capped at 2", r.2);
+    }
+}
+
+// Regression: issue 19 review finding (a new waker cloned under the gate's queue lock when a
+// waiting future is polled with another waker)
+#[test]
+fn polling_a_waiter_with_a_new_waker_whose_clone_releases_a_stream_does_not_deadlock() {
+    let (_sim, ctx) = capped(1);
+    let r = finishes("re-polling with a cloning waker", move || {
+        let holder = ctx.owner();
+        holder.stream().unwrap();
+        let (_, plain) = waker();
+        let mut fut = Box::pin(ctx.owner().ready());
+        assert!(poll(fut.as_mut(), &plain).is_pending(), "at the cap: waits");
+        let (state, w) = clone_drops(holder, 1);
+        // The queue stores a clone of the new waker; cloning gives the only stream back.
+        let second = poll(fut.as_mut(), &w);
+        let served = match second {
+            Poll::Ready(r) => r.is_ok(),
+            Poll::Pending => matches!(poll(fut.as_mut(), &w), Poll::Ready(Ok(_))),
+        };
+        (state.clones.load(Ordering::SeqCst), served)
+    });
+    assert!(r.0 >= 1, "the new waker was never cloned");
+    assert!(
+        r.1,
+        "the stream given back by the clone did not serve the waiter"
+    );
+}
+
+// Regression: issue 19 review finding (the next waiter's waker cloned under the queue lock when
+// the first waiter leaves and passes its turn on)
+#[test]
+fn a_leaving_waiter_passing_its_turn_to_a_cloning_waker_does_not_deadlock() {
+    let (_sim, ctx) = capped(2);
+    let r = finishes("leaving before a cloning waiter", move || {
+        let (a, b) = (ctx.owner(), ctx.owner());
+        a.stream().unwrap();
+        b.stream().unwrap();
+        let (_, plain) = waker();
+        let mut first = Box::pin(ctx.owner().ready());
+        assert!(poll(first.as_mut(), &plain).is_pending());
+        let mut second = Box::pin(ctx.owner().ready());
+        assert!(poll(second.as_mut(), &plain).is_pending());
+        // The second waiter now waits with a waker whose clone gives back `b`'s stream.
+        // Registering it makes the first clone; the second, when the stream is passed on to
+        // this waiter, gives `b`'s stream back.
+        let (state, w) = clone_drops(b, 2);
+        assert!(poll(second.as_mut(), &w).is_pending());
+        drop(a); // handed to the first waiter
+        drop(first); // leaves with it: the stream goes to the second waiter
+        let served = matches!(poll(second.as_mut(), &w), Poll::Ready(Ok(_)))
+            || matches!(poll(second.as_mut(), &w), Poll::Ready(Ok(_)));
+        (state.clones.load(Ordering::SeqCst), served)
+    });
+    assert!(
+        r.0 >= 2,
+        "the waker was not cloned when the stream was passed on"
+    );
+    assert!(r.1, "the second waiter was not served");
+}
