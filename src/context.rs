@@ -305,6 +305,11 @@ pub(crate) struct CtxInner {
     torn_down: bool,
     /// Completion futures' flags, poller and staging memory, made on first use.
     hub: OnceLock<Arc<crate::completion::Hub>>,
+    /// Modules loaded into the context ([`CtxInner::module`]), by the address of their image:
+    /// loaded once, unloaded by the teardown after every stream's work has completed. (An
+    /// unload before that would have to wait with `cuCtxSynchronize`, which invalidates every
+    /// capture in progress on the context, relaxed mode or not.)
+    modules: Mutex<Vec<(usize, driver::Module)>>,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -530,6 +535,7 @@ impl Context {
                 _keep_alive: keep_alive,
                 torn_down: false,
                 hub: OnceLock::new(),
+                modules: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -743,7 +749,14 @@ impl Context {
         self.inner.bind()
     }
 
-    /// `cuCtxSynchronize`, in relaxed capture mode (it invalidates no capture of any thread).
+    /// `cuCtxSynchronize`: waits for all work of the context, other crates' streams included.
+    ///
+    /// It waits for capturing streams too, which the driver refuses: while any stream of the
+    /// context is capturing (any thread, any mode), it fails with
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and that capture is invalidated, relaxed mode or
+    /// not (measured on the H200). To wait without touching captures, synchronize the streams
+    /// you used ([`crate::StreamRef::synchronize`]). The crate itself never synchronizes a
+    /// context.
     ///
     /// ```
     /// use cuda_stream_pool::{driver::SimDriver, Context};
@@ -921,6 +934,24 @@ impl CtxInner {
     /// of them, and the caller's restored at the end. Never held across user code.
     pub(crate) fn scope(&self) -> driver::Scope<'_> {
         self.rules.hook.scope()
+    }
+
+    /// The module of `image` (a NUL-terminated PTX or cubin image with a static address) in
+    /// this context: loaded by the first call, then the same module, until the teardown unloads
+    /// it. Loading runs under the device rules (relaxed mode: a load invalidates no capture).
+    ///
+    /// # Errors
+    /// The driver's error when the module cannot be loaded (the next call tries again).
+    pub(crate) fn module(&self, image: &'static std::ffi::CStr) -> Result<driver::Module> {
+        let key = image.as_ptr() as usize;
+        let mut list = self.modules.lock();
+        if let Some(&(_, m)) = list.iter().find(|(k, _)| *k == key) {
+            return Ok(m);
+        }
+        // Under the list's lock (a driver call, no user code): two first loads make one module.
+        let m = self.driver.module_load_data(image)?;
+        list.push((key, m));
+        Ok(m)
     }
 
     /// [`Context::bind`]: makes the context current on the calling thread, and leaves it so.
@@ -1374,6 +1405,7 @@ impl CtxInner {
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
+            modules: Mutex::new(std::mem::take(self.modules.get_mut())),
         };
         self.torn_down = true;
         moved
@@ -1488,6 +1520,18 @@ impl CtxInner {
                 st.destroy();
                 // SAFETY: idle, and nothing can enqueue on it any more (the state is going).
                 let _ = unsafe { self.driver.stream_destroy(self.disposal.raw) };
+            }
+        }
+        // Modules: unloaded only when every stream of the context was drained (their kernels
+        // have completed); otherwise a kernel may still run, and they stay loaded (leaked).
+        let drained = self.all_pools().iter().all(|p| p.live() == 0)
+            && self.orphans.get_mut().is_empty();
+        for (_, m) in std::mem::take(self.modules.get_mut()) {
+            if drained {
+                // SAFETY: loaded by `module`, unloaded once; no kernel of it is pending (every
+                // stream drained above) and none can be launched (every `Kernels` holds this
+                // state alive).
+                let _ = unsafe { self.driver.module_unload(m) };
             }
         }
         for e in self.events.get_mut().drain(..) {

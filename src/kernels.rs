@@ -2,22 +2,20 @@
 //! `src/kernels.cu`), loaded with `cuModuleLoadData`. The simulated driver implements the same
 //! kernels by name.
 
-use crate::context::{off_host_fn_thread, Context};
+use crate::context::Context;
 use crate::driver::{Function, Module};
 use crate::error::{Error, Result};
 use crate::memory::{BufferUse, DeviceBuffer};
-use crate::pool::CapturedUse;
 use crate::stream::StreamRef;
 use std::ffi::CStr;
 use std::os::raw::c_void;
-use std::sync::Arc;
 
 /// The PTX text, NUL-terminated for `cuModuleLoadData`.
 pub const PTX: &str = concat!(include_str!("kernels.ptx"), "\0");
 
 const BLOCK: u32 = 256;
 
-/// The crate's kernels, loaded into one context; unloaded when dropped.
+/// The crate's kernels in one context (the module loaded once per context, unloaded with it).
 ///
 /// ```
 /// use cuda_stream_pool::{driver, kernels::Kernels, Context, DeviceBuffer};
@@ -33,46 +31,23 @@ const BLOCK: u32 = 256;
 /// assert_eq!(sum.to_vec(&s).unwrap(), vec![1024.0]);
 /// ```
 ///
-/// The module stays loaded while a graph that captured one of its kernels lives.
+/// The module is loaded once per context (a second `load` finds it) and unloaded by the
+/// context's teardown, once every stream's work has completed: a `Kernels`, and a graph that
+/// captured one of its kernels, keep the context alive. (Unloading earlier would mean waiting
+/// for the whole context with `cuCtxSynchronize`, which invalidates every capture in progress on
+/// it, in any thread and any mode.)
 pub struct Kernels {
-    inner: Arc<Module_>,
+    ctx: Context,
+    module: Module,
     add_one: Function,
     sum: Function,
     add_u32: Function,
 }
 
-/// The loaded module; unloaded (after the context's work has completed) when the last of the
-/// [`Kernels`] and the graphs that captured its kernels is gone.
-struct Module_ {
-    ctx: Context,
-    module: Module,
-}
-
-impl Drop for Module_ {
-    fn drop(&mut self) {
-        let (ctx, module) = (self.ctx.clone(), self.module);
-        off_host_fn_thread(move || unload(&ctx, module));
-    }
-}
-
-/// Unloads the module once the context's work has completed (kept loaded when that fails).
-fn unload(ctx: &Context, module: Module) {
-    let ci = &ctx.inner;
-    // Kernels of the module may still be pending: wait for them (relaxed: no capture is
-    // invalidated, the device rules); if that fails, keep the module loaded rather than unload
-    // under them.
-    let _scope = ci.scope();
-    if ci.driver.ctx_synchronize().is_ok() {
-        // SAFETY: the module is ours; no launch of it is pending (synchronized above) and
-        // none can be made any more (no `Kernels` nor graph refers to it).
-        let _ = unsafe { ci.driver.module_unload(module) };
-    }
-}
-
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kernels")
-            .field("module", &self.inner.module)
+            .field("module", &self.module)
             .finish()
     }
 }
@@ -83,23 +58,26 @@ fn grid(n: usize) -> Result<([u32; 3], u32)> {
 }
 
 impl Kernels {
-    /// Loads the module into `ctx` (made current on the calling thread).
+    /// The crate's kernels in `ctx`: the module is loaded by the first call for the context
+    /// and unloaded with it.
     ///
     /// ```
     /// use cuda_stream_pool::{driver::SimDriver, kernels::Kernels, Context};
-    /// use std::sync::Arc;
-    /// let sim = Arc::new(SimDriver::new());
+    ///     /// let sim = Arc::new(SimDriver::new());
     /// let ctx = Context::primary(sim.clone(), 0).unwrap();
     /// let k = Kernels::load(&ctx).unwrap();
+    /// let again = Kernels::load(&ctx).unwrap();         // the same module
     /// assert_eq!(sim.counters().live_modules, 1);
-    /// drop(k);                                       // unloaded once the context's work is done
+    /// drop((k, again));
+    /// assert_eq!(sim.counters().live_modules, 1);     // loaded while the context lives
+    /// drop(ctx);
     /// assert_eq!(sim.counters().live_modules, 0);
     /// ```
     ///
     /// # Errors
-    /// The driver's error when the context cannot be made current or the module cannot be loaded
-    /// (e.g. `CUDA_ERROR_UNSUPPORTED_PTX_VERSION` on a driver older than the PTX), or when one
-    /// of its kernels is missing (the module is unloaded again).
+    /// The driver's error when the module cannot be loaded (e.g.
+    /// `CUDA_ERROR_UNSUPPORTED_PTX_VERSION` on a driver older than the PTX) or when one of its
+    /// kernels is missing.
     ///
     /// # Panics
     /// Never: the embedded PTX ends with its one NUL byte (checked by every test that loads it).
@@ -109,33 +87,18 @@ impl Kernels {
         // otherwise) once for the load and the lookups.
         let _scope = ci.scope();
         let d = &ci.driver;
-        let image = CStr::from_bytes_with_nul(PTX.as_bytes()).expect("PTX has one trailing NUL");
-        let module = d.module_load_data(image)?;
-        // SAFETY: the module was just loaded and is unloaded only by `Module_::drop`.
+        let image: &'static CStr =
+            CStr::from_bytes_with_nul(PTX.as_bytes()).expect("PTX has one trailing NUL");
+        let module = ci.module(image)?;
+        // SAFETY: the module is loaded and stays loaded while the context's state lives.
         let get = |name: &CStr| unsafe { d.module_get_function(module, name) };
-        let funcs = (|| {
-            Ok((
-                get(c"csp_add_one_f32")?,
-                get(c"csp_sum_f32")?,
-                get(c"csp_add_u32")?,
-            ))
-        })();
-        match funcs {
-            Ok((add_one, sum, add_u32)) => Ok(Kernels {
-                inner: Arc::new(Module_ {
-                    ctx: ctx.clone(),
-                    module,
-                }),
-                add_one,
-                sum,
-                add_u32,
-            }),
-            Err(e) => {
-                // SAFETY: loaded just above, never launched.
-                let _ = unsafe { d.module_unload(module) };
-                Err(e)
-            }
-        }
+        Ok(Kernels {
+            ctx: ctx.clone(),
+            module,
+            add_one: get(c"csp_add_one_f32")?,
+            sum: get(c"csp_sum_f32")?,
+            add_u32: get(c"csp_add_u32")?,
+        })
     }
 
     /// Begins the buffer's use on `s`; the kernel is launched while the guard lives, so the use
@@ -154,7 +117,7 @@ impl Kernels {
         s: &StreamRef<'_>,
         b: &DeviceBuffer<T>,
     ) -> Result<()> {
-        if !self.inner.ctx.same(s.context()) || !self.inner.ctx.same(b.context()) {
+        if !self.ctx.same(s.context()) || !self.ctx.same(b.context()) {
             return Err(Error::invalid(
                 "kernels, stream and buffer of different contexts",
             ));
@@ -170,16 +133,10 @@ impl Kernels {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let (g, _) = grid(n)?;
-        let ci = &self.inner.ctx.inner;
-        // The function belongs to this context's module: launched with the context current
-        // (the device rules).
-        if s.slot.is_capturing() {
-            // The crate's capture: its graph will launch the kernel and keeps the module loaded.
-            // (A borrower's capture of a lent stream was refused by the callers' `use_on`.)
-            let m: CapturedUse = self.inner.clone();
-            s.slot.lock().add_captured(m);
-        }
-        // SAFETY: every caller passes pointers to values of the kernel's parameter types (a
+        let ci = &self.ctx.inner;
+        // The function belongs to this context's module, loaded while the context lives (a
+        // graph that captures the launch keeps the context): launched with the context current
+        // (the device rules). SAFETY: every caller passes pointers to values of the kernel's parameter types (a
         // device pointer as u64, then u32s); the device ranges are whole buffers of at least `n`
         // elements, kept alive and ordered on `s` by the callers' live `BufferUse` guards; `s`
         // is held by its reference's holder (a launch into a capture becomes a node, and the

@@ -1162,6 +1162,9 @@ impl Pool {
                 return;
             }
             let mut gone = 0;
+            // Destroyed slots are dropped after the shard's lock: a slot's drop may drop what it
+            // keeps (a capture's uses, a loan's handle), which is user code.
+            let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
             let mut list = self.shard(i);
             let mut j = 0;
             let mut done = false;
@@ -1179,7 +1182,7 @@ impl Pool {
                     break;
                 }
                 if destroy_idle(driver, &list[j], false).unwrap_or(false) {
-                    list.remove(j);
+                    dead.push(list.remove(j));
                     self.counters.destroyed.fetch_add(1, Ordering::Release);
                     self.gate.uncount();
                     gone += 1;
@@ -1191,6 +1194,7 @@ impl Pool {
             }
             // The waiters are notified after the shard's lock (a waker may search the pool).
             drop(list);
+            drop(dead);
             for _ in 0..gone {
                 self.gate.notify();
             }
@@ -1288,12 +1292,14 @@ impl Pool {
         let mut first_err = None;
         for i in 0..self.shards.len() {
             let mut gone = 0;
+            // Dropped after the shard's lock, as in `trim_excess`.
+            let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
             let mut list = self.shard(i);
             let mut j = 0;
             while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
                 match self.destroy_if_idle(driver, &list[j], wait) {
                     Ok(true) => {
-                        list.remove(j);
+                        dead.push(list.remove(j));
                         gone += 1;
                     }
                     Ok(false) => j += 1,
@@ -1305,6 +1311,7 @@ impl Pool {
             }
             // The waiters are notified after the shard's lock (a waker may search the pool).
             drop(list);
+            drop(dead);
             for _ in 0..gone {
                 self.gate.notify();
             }

@@ -94,7 +94,70 @@ fn kernels_load_keeps_foreign_capture(d: &Arc<dyn Driver>) {
     });
 }
 
+/// The steps of `kernels_load_keeps_foreign_capture` one by one, the foreign capture's status
+/// checked after each: which of them invalidates it.
+fn each_kernel_step_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (s, t) = (a.stream().unwrap(), b.stream().unwrap());
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    let alive = |step: &str| {
+        // SAFETY: `s` is held by `a` (live); the query is allowed during any capture.
+        let st = unsafe { d.stream_is_capturing(s.raw()) }.unwrap();
+        assert_eq!(
+            st,
+            cuda_stream_pool::driver::CaptureStatus::Active,
+            "the foreign capture after {step}"
+        );
+    };
+    alive("nothing");
+    let k = Kernels::load(&ctx).unwrap();
+    alive("Kernels::load");
+    let buf = DeviceBuffer::<f32>::zeroed(&t, 16).unwrap();
+    alive("DeviceBuffer::zeroed");
+    k.add_one(&t, &buf).unwrap();
+    alive("the first add_one");
+    k.add_one(&t, &buf).unwrap();
+    alive("the second add_one");
+    let sum = DeviceBuffer::<f32>::zeroed(&t, 1).unwrap();
+    k.sum(&t, &buf, &sum).unwrap();
+    alive("the first sum");
+    assert_eq!(sum.to_vec(&t).unwrap(), vec![32.0]);
+    alive("to_vec");
+    drop((buf, sum));
+    alive("the buffers' drops");
+    capture_intact(fc.end());
+}
+
+// Documents issue 19's finding on the H200: `Context::synchronize` is `cuCtxSynchronize`, which
+// waits for a capturing stream of the context and so invalidates its capture, relaxed or not.
+fn context_synchronize_fails_on_a_capturing_context(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let a = ctx.owner();
+    let s = a.stream().unwrap();
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    let e = ctx.synchronize().unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED));
+    let e = fc.end().unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ERROR_STREAM_CAPTURE_INVALIDATED));
+}
+
+// Regression: issue 19 defect 9 on the H200 (dropping `Kernels` synchronized the context to
+// unload its module, which killed another thread's capture; the module now lives with the context)
+fn dropping_kernels_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |ctx, t| {
+        let k = Kernels::load(ctx).unwrap();
+        let buf = DeviceBuffer::<u32>::zeroed(t, 16).unwrap();
+        k.add_u32(t, &buf, 3).unwrap();
+        drop(k);
+        assert_eq!(buf.to_vec(t).unwrap(), vec![3; 16]);
+    });
+}
+
 on_both_drivers! {
+    context_synchronize_fails_on_a_capturing_context,
+    dropping_kernels_keeps_foreign_capture,
+    each_kernel_step_keeps_foreign_capture,
     completed_keeps_foreign_capture,
     to_vec_async_keeps_foreign_capture,
     primary_keeps_foreign_capture,
@@ -135,8 +198,15 @@ fn primary_in_a_host_function_refuses_before_any_driver_call() {
     );
 }
 
-/// Every public operation of one context, once (each result checked).
-fn every_operation(d: &Arc<dyn Driver>, ctx: &Context, check: &mut dyn FnMut(&str)) {
+/// Every public operation of one context, once (each result checked). `Context::synchronize`
+/// only with `sync_ctx`: it waits for a capturing stream too, which invalidates the capture in
+/// any mode (documented; `context_synchronize_fails_on_a_capturing_context`).
+fn every_operation(
+    d: &Arc<dyn Driver>,
+    ctx: &Context,
+    sync_ctx: bool,
+    check: &mut dyn FnMut(&str),
+) {
     let other = Context::primary(d.clone(), 0).unwrap();
     check("Context::primary");
     drop(other);
@@ -185,8 +255,10 @@ fn every_operation(d: &Arc<dyn Driver>, ctx: &Context, check: &mut dyn FnMut(&st
     check("reserve");
     let _ = ctx.stats();
     check("stats");
-    ctx.synchronize().unwrap();
-    check("Context::synchronize");
+    if sync_ctx {
+        ctx.synchronize().unwrap();
+        check("Context::synchronize");
+    }
     drop(s);
     drop(o);
     check("Owner drop");
@@ -206,7 +278,7 @@ fn every_operation_restores_the_callers_current_context() {
     let ctx = Context::primary(d.clone(), 0).unwrap();
     // SAFETY: `mine` keeps its primary context retained.
     unsafe { sim.ctx_set_current(mine.raw()) }.unwrap();
-    every_operation(&d, &ctx, &mut |op| {
+    every_operation(&d, &ctx, true, &mut |op| {
         assert_eq!(
             sim.ctx_get_current().unwrap(),
             mine.raw(),
@@ -225,7 +297,7 @@ fn operations_leave_no_context_current_on_a_fresh_thread() {
     let ctx = Context::primary(d.clone(), 0).unwrap();
     std::thread::scope(|sc| {
         sc.spawn(|| {
-            every_operation(&d, &ctx, &mut |op| {
+            every_operation(&d, &ctx, true, &mut |op| {
                 assert!(
                     sim.ctx_get_current().unwrap().is_null(),
                     "{op} left a context current"
@@ -244,7 +316,7 @@ fn no_invalidating_call_outside_relaxed_mode_while_a_capture_is_live() {
     let o = ctx.owner();
     let s = o.stream().unwrap();
     let fc = ForeignCapture::new(&d, ctx.raw(), s.raw());
-    every_operation(&d, &ctx, &mut |op| {
+    every_operation(&d, &ctx, false, &mut |op| {
         let bad = sim.unrelaxed_calls();
         assert!(bad.is_empty(), "{op}: {bad:?}");
     });
@@ -364,7 +436,7 @@ fn every_operation_keeps_the_callers_capture_mode() {
         CaptureMode::Global,
     ] {
         let _mine = cuda_stream_pool::CaptureModeGuard::new(&*sim, mode).unwrap();
-        every_operation(&d, &ctx, &mut |op| {
+        every_operation(&d, &ctx, true, &mut |op| {
             let now = sim.thread_exchange_capture_mode(mode).unwrap();
             assert_eq!(now, mode, "{op} changed the thread's capture mode");
         });

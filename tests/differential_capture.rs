@@ -417,7 +417,56 @@ fn harmless_calls_keep_global_captures(d: &Arc<dyn Driver>) {
     }
 }
 
+/// `cuCtxSynchronize` and `cuModuleUnload` by a relaxed caller while another thread captures a
+/// stream of the same context, in each mode: (error code, capture alive). Relaxed mode protects
+/// a capture only from calls on other streams; a context synchronize waits for the capturing
+/// stream too (measured on the H200: issue 19's `Kernels` drop, which synchronized the context
+/// before unloading its module, killed a foreign global capture).
+fn ctx_sync_and_module_unload_under_a_foreign_capture(d: &Arc<dyn Driver>) {
+    const UNSUPPORTED: Option<ErrorCode> = Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    let e = Env::new(d);
+    let mut seen = Vec::new();
+    for mode in [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed] {
+        for unload in [false, true] {
+            // SAFETY: a raw driver scenario: every handle below is made here and used only
+            // while live.
+            unsafe {
+                let module = unload.then(|| {
+                    let image = std::ffi::CStr::from_bytes_with_nul(
+                        cuda_stream_pool::kernels::PTX.as_bytes(),
+                    )
+                    .unwrap();
+                    d.module_load_data(image).unwrap()
+                });
+                let s = e.stream();
+                let f = Foreign::new(d, e.ctx, s, mode);
+                let old = d.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+                let r = match module {
+                    Some(m) => d.module_unload(m),
+                    None => d.ctx_synchronize(),
+                };
+                d.thread_exchange_capture_mode(old).unwrap();
+                let alive = f.end(&**d);
+                d.stream_destroy(s).unwrap();
+                let what = if unload { "cuModuleUnload" } else { "cuCtxSynchronize" };
+                seen.push((what, mode, r.err().and_then(|e| e.code()), alive));
+            }
+        }
+    }
+    let expected: Vec<_> = [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed]
+        .into_iter()
+        .flat_map(|m| {
+            [
+                ("cuCtxSynchronize", m, UNSUPPORTED, false),
+                ("cuModuleUnload", m, None, true),
+            ]
+        })
+        .collect();
+    assert_eq!(seen, expected, "(call, foreign mode, error, foreign capture alive)");
+}
+
 on_both_drivers! {
+    ctx_sync_and_module_unload_under_a_foreign_capture,
     capture_isolation_905,
     fork_join_pulls_stream_into_capture,
     unjoined_fork_fails_end_904,

@@ -178,6 +178,30 @@ impl SimDriver {
         Ok(())
     }
 
+    /// Synchronizing a context waits for its capturing streams too: illegal in any mode (the
+    /// caller's relaxed mode included), it invalidates every capture of a stream of the context
+    /// (measured on the H200: `cuCtxSynchronize` fails with 900 and the capture, begun by
+    /// another thread in any mode, ends 901).
+    pub(super) fn no_capture_in_ctx(st: &mut State, ctx: u64, call: &'static str) -> Result<()> {
+        let ids: Vec<u64> = st
+            .streams
+            .values()
+            .filter(|x| x.ctx == ctx)
+            .filter_map(|x| x.capture)
+            .collect();
+        let mut hit = false;
+        for id in ids {
+            if let Some(c) = st.captures.get_mut(&id) {
+                c.invalidated = true;
+                hit = true;
+            }
+        }
+        if hit {
+            return Self::fail(st, ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED, call);
+        }
+        Ok(())
+    }
+
     pub(super) fn clone_effect(e: &Effect) -> Effect {
         match e {
             Effect::Work => Effect::Work,

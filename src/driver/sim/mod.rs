@@ -626,7 +626,8 @@ impl Driver for SimDriver {
 
     fn ctx_synchronize(&self) -> Result<()> {
         let mut st = self.enter("cuCtxSynchronize", None, None, None)?;
-        self.need_ctx(&mut st, "cuCtxSynchronize")?;
+        let ctx = self.need_ctx(&mut st, "cuCtxSynchronize")?;
+        Self::no_capture_in_ctx(&mut st, ctx, "cuCtxSynchronize")?;
         self.unsafe_call(&mut st, "cuCtxSynchronize")?;
         if let Some(l) = self.lat() {
             // Synchronizing a context costs more with every live stream that has done work
