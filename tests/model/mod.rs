@@ -1342,8 +1342,11 @@ impl Model {
         // Objects dropped inside host functions, and a last context dropped while the poller
         // runs a waker, are torn down on threads of their own: wait until they are (a hang
         // guard only: what is still alive after 60 s is a leak).
+        // The GPU's clock runs on: work still pending (host functions holding buffers or
+        // owners, which keep the context alive) completes, as it would on a real GPU.
         let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while std::time::Instant::now() < until {
+            self.sim.advance(1_000_000_000);
             let c = self.sim.counters();
             if c.live_streams == 0
                 && c.live_allocs == 0
