@@ -1524,8 +1524,8 @@ impl CtxInner {
         }
         // Modules: unloaded only when every stream of the context was drained (their kernels
         // have completed); otherwise a kernel may still run, and they stay loaded (leaked).
-        let drained = self.all_pools().iter().all(|p| p.live() == 0)
-            && self.orphans.get_mut().is_empty();
+        let drained =
+            self.all_pools().iter().all(|p| p.live() == 0) && self.orphans.get_mut().is_empty();
         for (_, m) in std::mem::take(self.modules.get_mut()) {
             if drained {
                 // SAFETY: loaded by `module`, unloaded once; no kernel of it is pending (every

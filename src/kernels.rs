@@ -63,7 +63,8 @@ impl Kernels {
     ///
     /// ```
     /// use cuda_stream_pool::{driver::SimDriver, kernels::Kernels, Context};
-    ///     /// let sim = Arc::new(SimDriver::new());
+    /// use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
     /// let ctx = Context::primary(sim.clone(), 0).unwrap();
     /// let k = Kernels::load(&ctx).unwrap();
     /// let again = Kernels::load(&ctx).unwrap();         // the same module

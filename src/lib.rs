@@ -86,7 +86,8 @@
 //!   memsets and kernels, a [`BufferUse`] for work of your own, every launch of a graph that
 //!   captured the buffer) is ordered after the buffer's previous use and recorded before its work
 //!   is enqueued, so a leaked guard is still a use; the free is ordered after the last use. A free that cannot be ordered is kept
-//!   and retried, never issued unordered. Graphs keep their buffers (and kernel modules) alive.
+//!   and retried, never issued unordered. Graphs keep their buffers (and their context, with its
+//!   kernel modules, which are unloaded only by the context's teardown) alive.
 //! * **No double free, no use of a destroyed handle.** Streams go back to the pool only once
 //!   their owner is gone (enforced by borrows) and their work has completed; a stream is
 //!   destroyed only when idle and not captured; host functions are refused in captures (a
@@ -102,7 +103,9 @@
 //!   another stream, host functions, nested graph launches) are refused with
 //!   [`Error::CaptureInProgress`] before any driver call; a capture guard borrows its stream's
 //!   holder and is not `Send`, so the capture ends on its own thread.
-//! * **No user code under the crate's locks.** Wakers are woken, replaced wakers dropped, and
+//! * **No user code under the crate's locks.** Wakers are cloned before a lock is taken (a
+//!   waiting task's waker is shared in an `Arc`, so the queue copies only a reference count
+//!   under its lock), woken and, when replaced, dropped after it; and
 //!   owners, buffers, contexts and streams taken out of the crate's lists dropped only after the
 //!   lock that guarded them is released, so a waker whose wake or drop re-enters the crate (drops
 //!   an [`Owner`], polls its future inline, drops the last [`Context`]) cannot deadlock it.
@@ -135,6 +138,10 @@
 //! * A buffer used in a capture must have no pending use on another stream (a capture cannot wait
 //!   for outside work); synchronize that stream, or use the buffer on the capturing stream first.
 //! * Allocation inside a capture (graph-owned memory) is refused: allocate before the capture.
+//! * [`Context::synchronize`] is `cuCtxSynchronize`, which waits for capturing streams too: while
+//!   any stream of the context captures (any thread, any mode) it fails and invalidates that
+//!   capture, relaxed mode or not (measured on the H200). The crate itself never synchronizes a
+//!   context; synchronize streams instead.
 //! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
 //!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] is still a
 //!   use (the free orders after it) and keeps the buffer's use lock: other threads' uses of that
@@ -170,6 +177,13 @@
 //!   it cannot be told from a slow one. This is the choice tokio makes for its fair `Semaphore`,
 //!   whose `Acquire` future, if forgotten, keeps its place in the queue and the permits assigned
 //!   to it: leaking is safe, and what a leaked value holds stays taken.
+//! * In general, a leaked value of the crate never frees anything early; it keeps what it
+//!   holds. Every value that holds a [`Context`] clone (owners, stream references, buffers and
+//!   their uses, capture guards, graphs, [`Completion`] and [`HostCopy`] futures, [`OwnerReady`],
+//!   kernels) keeps the whole state of that context alive when leaked: its streams, its memory
+//!   pool and the primary context's retain are never released. A state kept aside for its loans
+//!   is torn down by the first call of the crate (for any context of the process) that finds a
+//!   loan of it ended.
 //!
 //! ## Drivers
 //!

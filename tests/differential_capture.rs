@@ -426,7 +426,11 @@ fn ctx_sync_and_module_unload_under_a_foreign_capture(d: &Arc<dyn Driver>) {
     const UNSUPPORTED: Option<ErrorCode> = Some(ErrorCode::ERROR_STREAM_CAPTURE_UNSUPPORTED);
     let e = Env::new(d);
     let mut seen = Vec::new();
-    for mode in [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed] {
+    for mode in [
+        CaptureMode::Global,
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+    ] {
         for unload in [false, true] {
             // SAFETY: a raw driver scenario: every handle below is made here and used only
             // while live.
@@ -440,7 +444,9 @@ fn ctx_sync_and_module_unload_under_a_foreign_capture(d: &Arc<dyn Driver>) {
                 });
                 let s = e.stream();
                 let f = Foreign::new(d, e.ctx, s, mode);
-                let old = d.thread_exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+                let old = d
+                    .thread_exchange_capture_mode(CaptureMode::Relaxed)
+                    .unwrap();
                 let r = match module {
                     Some(m) => d.module_unload(m),
                     None => d.ctx_synchronize(),
@@ -448,21 +454,32 @@ fn ctx_sync_and_module_unload_under_a_foreign_capture(d: &Arc<dyn Driver>) {
                 d.thread_exchange_capture_mode(old).unwrap();
                 let alive = f.end(&**d);
                 d.stream_destroy(s).unwrap();
-                let what = if unload { "cuModuleUnload" } else { "cuCtxSynchronize" };
+                let what = if unload {
+                    "cuModuleUnload"
+                } else {
+                    "cuCtxSynchronize"
+                };
                 seen.push((what, mode, r.err().and_then(|e| e.code()), alive));
             }
         }
     }
-    let expected: Vec<_> = [CaptureMode::Global, CaptureMode::ThreadLocal, CaptureMode::Relaxed]
-        .into_iter()
-        .flat_map(|m| {
-            [
-                ("cuCtxSynchronize", m, UNSUPPORTED, false),
-                ("cuModuleUnload", m, None, true),
-            ]
-        })
-        .collect();
-    assert_eq!(seen, expected, "(call, foreign mode, error, foreign capture alive)");
+    let expected: Vec<_> = [
+        CaptureMode::Global,
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+    ]
+    .into_iter()
+    .flat_map(|m| {
+        [
+            ("cuCtxSynchronize", m, UNSUPPORTED, false),
+            ("cuModuleUnload", m, None, true),
+        ]
+    })
+    .collect();
+    assert_eq!(
+        seen, expected,
+        "(call, foreign mode, error, foreign capture alive)"
+    );
 }
 
 on_both_drivers! {

@@ -165,7 +165,8 @@ fn stream_left_capturing_by_its_borrower_is_never_reused() {
             "an abandoned capture was reused"
         );
     }
-    ctx.synchronize().unwrap();
+    // A context with a capturing stream cannot be synchronized (the H200 refuses it: 900).
+    assert!(ctx.synchronize().is_err());
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
