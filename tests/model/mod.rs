@@ -598,6 +598,20 @@ impl Model {
         self.held = now;
     }
 
+    /// [`Model::sync_holdings`] for owner `id`, about to be dropped with the streams `pairs`
+    /// (an attached owner whose future resolved): its hand-overs and acquisitions while holding
+    /// a stream are counted, and it is forgotten.
+    fn sync_gone(&mut self, id: u64, pairs: &[(u64, u64)]) {
+        for pair in pairs {
+            if !self.held.contains(pair) {
+                *self.gens.entry(pair.1).or_insert(0) += 1;
+            }
+        }
+        let before = self.nheld.remove(&id).unwrap_or(0);
+        self.bypass += pairs.len().saturating_sub(before.max(1)) as u64;
+        self.held.retain(|p| p.0 != id);
+    }
+
     /// Whether owner `o` may take its stream of priority `p` now without waiting at the cap
     /// (which, on the model's thread, could wait for itself): no cap, or it holds a stream
     /// already (it never waits then), or the key is below its cap with no waiter queued.
