@@ -712,6 +712,25 @@ impl Model {
         self.bufs[j].last = (raw, self.gen_of(raw));
     }
 
+    /// After an operation on buffer `j` on stream `raw` failed: the use is recorded when the
+    /// crate made it before the failure (a kernel launch or copy failing after `use_on`), which
+    /// the crate's last use, changed since `before`, tells.
+    fn used_if_recorded(
+        &mut self,
+        j: usize,
+        raw: u64,
+        before: Option<(cuda_stream_pool::driver::Stream, u64, bool)>,
+    ) {
+        let key =
+            |u: Option<(cuda_stream_pool::driver::Stream, u64, bool)>| u.map(|u| (u.0 .0, u.1));
+        let now = key(self.bufs[j].b.last_use());
+        if now != key(before) {
+            let s = now.map(|u| u.0);
+            assert_eq!(s, Some(raw), "a failed use recorded on another stream");
+            self.used(j, raw);
+        }
+    }
+
     /// Drops the model's reference to buffer `j`; checks the free when it was the last.
     fn drop_buffer(&mut self, j: usize) {
         let buf = self.bufs.swap_remove(j);
@@ -908,6 +927,7 @@ impl Model {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
                         let raw = s.raw().0;
+                        let before = b.last_use();
                         let r = k.add_u32(&s, &b, 1);
                         let ptr = b.as_raw().0;
                         if let Some(c) = self.guards.iter_mut().find(|c| c.raw == raw) {
@@ -925,6 +945,8 @@ impl Model {
                         }
                         if r.is_ok() {
                             self.used(j, raw);
+                        } else {
+                            self.used_if_recorded(j, raw, before);
                         }
                     }
                 }
@@ -934,6 +956,7 @@ impl Model {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
+                        let before = b.last_use();
                         let r = b.to_vec(&s);
                         if self.capturing(&s) {
                             refused_in_capture(&r, "a blocking copy");
@@ -942,6 +965,8 @@ impl Model {
                                 assert_eq!(&v, want, "a blocking copy read unexpected contents");
                             }
                             self.used(j, s.raw().0);
+                        } else {
+                            self.used_if_recorded(j, s.raw().0, before);
                         }
                     }
                 }
