@@ -601,22 +601,24 @@ impl Gate {
         self.queue.lock()
     }
 
-    /// Counts a stream about to be created; below the cap only, unless `force`.
-    fn reserve(&self, force: bool) -> bool {
+    /// Counts a stream about to be created; below the cap only, unless `force`. The creation
+    /// then either succeeds ([`Gate::created`]) or fails ([`Gate::gone`]).
+    fn reserve(&self, force: bool) -> Option<Reserved> {
         let cap = self.cap;
-        match self
-            .live
+        self.live
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |l| {
                 (force || l < cap).then_some(l + 1)
-            }) {
-            Ok(prev) => {
-                self.peak.fetch_max(prev + 1, Ordering::AcqRel);
-                if prev >= cap {
-                    self.over_cap.fetch_add(1, Ordering::Relaxed);
-                }
-                true
-            }
-            Err(_) => false,
+            })
+            .ok()
+            .map(|prev| Reserved { nth: prev + 1 })
+    }
+
+    /// The stream reserved by [`Gate::reserve`] was created: it counts in the peak, and over the
+    /// cap when it was reserved beyond it. (Counted only now: a failed creation made no stream.)
+    fn created(&self, r: Reserved) {
+        self.peak.fetch_max(r.nth, Ordering::AcqRel);
+        if r.nth > self.cap {
+            self.over_cap.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -798,6 +800,13 @@ impl Gate {
             w.wake();
         }
     }
+}
+
+/// A creation counted by [`Gate::reserve`]: the stream is the `nth` of the key alive (or being
+/// created) when it was reserved.
+#[must_use]
+struct Reserved {
+    nth: usize,
 }
 
 /// A place in a gate's queue; leaving it (dropped: served, failed or cancelled) passes the turn
@@ -1031,9 +1040,9 @@ impl Pool {
                 return Ok(Some(found));
             }
         }
-        if !self.gate.reserve(force) {
+        let Some(reserved) = self.gate.reserve(force) else {
             return Ok(None);
-        }
+        };
         let raw = match driver.stream_create(self.flags, self.priority) {
             Ok(raw) => raw,
             Err(e) => {
@@ -1041,6 +1050,7 @@ impl Pool {
                 return Err(e);
             }
         };
+        self.gate.created(reserved);
         self.home(home).misses.fetch_add(1, Ordering::Release);
         Ok(Some((
             Arc::new(Slot::new(raw, self.priority, self.flags)),
@@ -1106,9 +1116,9 @@ impl Pool {
         self.keep.fetch_max(n, Ordering::AcqRel);
         let mut made = 0;
         while self.gate.live.load(Ordering::Acquire) < n {
-            if !self.gate.reserve(false) {
+            let Some(reserved) = self.gate.reserve(false) else {
                 break;
-            }
+            };
             let raw = match driver.stream_create(self.flags, self.priority) {
                 Ok(raw) => raw,
                 Err(e) => {
@@ -1116,6 +1126,7 @@ impl Pool {
                     return Err(e);
                 }
             };
+            self.gate.created(reserved);
             self.counters.reserved.fetch_add(1, Ordering::Release);
             let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
             slot.lock().retire();

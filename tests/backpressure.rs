@@ -6,7 +6,7 @@
 mod common;
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
-use cuda_stream_pool::{Context, ContextOptions, Owner, OwnerReady, Priority};
+use cuda_stream_pool::{Context, ContextOptions, ErrorCode, Owner, OwnerReady, Priority};
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
@@ -305,6 +305,31 @@ fn no_deadlock_with_multi_priority_owners() {
     // A first stream still waits at the cap (and is served once the owners are gone).
     let st = ctx.stats_for(Priority::Normal).unwrap();
     assert_eq!(st.live, 2, "{st:?}");
+}
+
+/// An owner at the cap of another key takes a second stream without waiting (over the cap), but
+/// the creation fails: no stream was created, so none counts over the cap or in the peak.
+// Regression: a failed creation for an owner already holding a stream counted in `over_cap` and
+// `peak_live` (counted when the creation was reserved, not undone when it failed); found by the
+// model's check that streams over the cap come from owners holding a stream.
+#[test]
+fn failed_creation_over_the_cap_counts_nothing() {
+    let (sim, ctx) = capped(1);
+    let high = ctx.owner();
+    high.set_priority(Priority::High).unwrap();
+    high.stream().unwrap(); // the High key is at its cap
+    let o = ctx.owner();
+    o.stream().unwrap(); // holds a Normal stream: its High stream bypasses the cap
+    sim.fail_calls("cuStreamCreateWithPriority", ErrorCode::ERROR_UNKNOWN, 1);
+    assert!(o.set_priority(Priority::High).is_err());
+    assert_eq!(o.streams().len(), 1, "no High stream was taken");
+    let st = ctx.stats_for(Priority::High).unwrap();
+    assert_eq!((st.live, st.created), (1, 1), "{st:?}");
+    assert_eq!((st.over_cap, st.peak_live), (0, 1), "{st:?}");
+    // The next attempt creates it, over the cap, and counts it.
+    o.set_priority(Priority::High).unwrap();
+    let st = ctx.stats_for(Priority::High).unwrap();
+    assert_eq!((st.live, st.over_cap, st.peak_live), (2, 1, 2), "{st:?}");
 }
 
 /// An owner that holds nothing waits while owners holding several priorities run on; they never

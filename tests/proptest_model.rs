@@ -48,3 +48,27 @@ proptest! {
         model::run_with_leaks(&bytes);
     }
 }
+
+/// Replays one input through the property test's view of the model (leaked captures included):
+/// `CSP_PROPTEST_REPLAY=FILE` names a file of raw bytes (e.g. a shrunk case written out), or a
+/// list of decimal bytes as proptest prints them (`[1, 2, 3]`). Without it the test does nothing.
+#[test]
+fn replay_input() {
+    let Some(path) = std::env::var_os("CSP_PROPTEST_REPLAY") else {
+        return;
+    };
+    let raw = std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    let bytes = match std::str::from_utf8(&raw) {
+        Ok(text) if text.trim_start().starts_with('[') => text
+            .trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<u8>().unwrap_or_else(|e| panic!("{s:?}: {e}")))
+            .collect(),
+        _ => raw,
+    };
+    model::run_with_leaks(&bytes);
+}

@@ -397,10 +397,15 @@ impl Model {
                     false
                 }
             },
-            Kind::Attach { f: a, .. } => match Pin::new(&mut *a).poll(&mut cx) {
+            Kind::Attach { f: a, id } => match Pin::new(&mut *a).poll(&mut cx) {
                 Poll::Pending => true,
                 Poll::Ready((first, second)) => {
                     let o = a.owner().expect("the owner is back after the poll");
+                    // The owner goes with the future: what it took in this poll is counted now
+                    // (the step's `sync_holdings` no longer sees it).
+                    let pairs: Vec<(u64, u64)> =
+                        o.streams().iter().map(|(_, s)| (*id, s.raw().0)).collect();
+                    self.sync_gone(*id, &pairs);
                     let mine = o
                         .streams()
                         .into_iter()

@@ -598,6 +598,20 @@ impl Model {
         self.held = now;
     }
 
+    /// [`Model::sync_holdings`] for owner `id`, about to be dropped with the streams `pairs`
+    /// (an attached owner whose future resolved): its hand-overs and acquisitions while holding
+    /// a stream are counted, and it is forgotten.
+    fn sync_gone(&mut self, id: u64, pairs: &[(u64, u64)]) {
+        for pair in pairs {
+            if !self.held.contains(pair) {
+                *self.gens.entry(pair.1).or_insert(0) += 1;
+            }
+        }
+        let before = self.nheld.remove(&id).unwrap_or(0);
+        self.bypass += pairs.len().saturating_sub(before.max(1)) as u64;
+        self.held.retain(|p| p.0 != id);
+    }
+
     /// Whether owner `o` may take its stream of priority `p` now without waiting at the cap
     /// (which, on the model's thread, could wait for itself): no cap, or it holds a stream
     /// already (it never waits then), or the key is below its cap with no waiter queued.
@@ -696,6 +710,25 @@ impl Model {
     /// Records a use of buffer `j` on `s` in the model.
     fn used(&mut self, j: usize, raw: u64) {
         self.bufs[j].last = (raw, self.gen_of(raw));
+    }
+
+    /// After an operation on buffer `j` on stream `raw` failed: the use is recorded when the
+    /// crate made it before the failure (a kernel launch or copy failing after `use_on`), which
+    /// the crate's last use, changed since `before`, tells.
+    fn used_if_recorded(
+        &mut self,
+        j: usize,
+        raw: u64,
+        before: Option<(cuda_stream_pool::driver::Stream, u64, bool)>,
+    ) {
+        let key =
+            |u: Option<(cuda_stream_pool::driver::Stream, u64, bool)>| u.map(|u| (u.0 .0, u.1));
+        let now = key(self.bufs[j].b.last_use());
+        if now != key(before) {
+            let s = now.map(|u| u.0);
+            assert_eq!(s, Some(raw), "a failed use recorded on another stream");
+            self.used(j, raw);
+        }
     }
 
     /// Drops the model's reference to buffer `j`; checks the free when it was the last.
@@ -894,6 +927,7 @@ impl Model {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
                         let raw = s.raw().0;
+                        let before = b.last_use();
                         let r = k.add_u32(&s, &b, 1);
                         let ptr = b.as_raw().0;
                         if let Some(c) = self.guards.iter_mut().find(|c| c.raw == raw) {
@@ -911,6 +945,8 @@ impl Model {
                         }
                         if r.is_ok() {
                             self.used(j, raw);
+                        } else {
+                            self.used_if_recorded(j, raw, before);
                         }
                     }
                 }
@@ -920,6 +956,7 @@ impl Model {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
+                        let before = b.last_use();
                         let r = b.to_vec(&s);
                         if self.capturing(&s) {
                             refused_in_capture(&r, "a blocking copy");
@@ -928,6 +965,8 @@ impl Model {
                                 assert_eq!(&v, want, "a blocking copy read unexpected contents");
                             }
                             self.used(j, s.raw().0);
+                        } else {
+                            self.used_if_recorded(j, s.raw().0, before);
                         }
                     }
                 }
