@@ -639,7 +639,9 @@ impl Worker {
             };
             cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .at("cudarc begin_capture")?;
-            let tried = self.try_crate_work_in_borrowers_capture(&s, &mut x);
+            let tried = self
+                .try_crate_work_in_borrowers_capture(&s, &mut x)
+                .and_then(|_| refused("a cudarc use", x.cudarc_use(&s).map(|_| ()), &env));
             // SAFETY: csp_add_one_f32 on the n floats of `g`, which outlives the graph's
             // launches (it is dropped after the synchronizing copy below).
             let launched = unsafe {
