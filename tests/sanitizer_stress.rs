@@ -15,6 +15,7 @@ fn run(threads: usize, iters: usize, cap: usize, seed: u64) -> stress::Summary {
         iters: Some(iters),
         cap,
         sim: true,
+        gpu: false,
         seed,
     };
     let s = stress::run(&cfg).unwrap_or_else(|e| panic!("{e}"));
