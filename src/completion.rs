@@ -432,6 +432,15 @@ pub struct Completion {
     entry: Arc<Entry>,
 }
 
+impl Drop for Completion {
+    /// Drops the waker the entry keeps for this future (after the entry's lock: a waker's drop is
+    /// user code), so that what it holds is not kept until the poller passes the entry.
+    fn drop(&mut self) {
+        let w = lock(&self.entry.state).waker.take();
+        drop(w);
+    }
+}
+
 impl std::fmt::Debug for Completion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Completion")
