@@ -249,6 +249,8 @@ struct Env {
     /// Elements per buffer.
     n: usize,
     c: Arc<Counters>,
+    /// Gate words of `drv` (see [`Gate`]).
+    gates: Arc<GateWords>,
 }
 
 impl Env {
@@ -382,25 +384,91 @@ fn poll_once<F: Future + ?Sized>(f: Pin<&mut F>, w: &Arc<Dropping>) -> Poll<F::O
 
 /// A gate that a host function waits on, so that the work behind it (a completion, a drop)
 /// stays pending until the thread opens it. Opened when dropped.
-struct Gate(Option<mpsc::Sender<()>>);
-impl Gate {
-    /// Enqueues the gate on `s`, and `then` after it (in the same host function).
-    fn on(s: &StreamRef<'_>, then: impl FnOnce() + Send + 'static) -> R<Gate> {
-        let (tx, rx) = mpsc::channel::<()>();
-        s.launch_host_func(move || {
-            // A host function may block; it calls no driver function.
-            let _ = rx.recv_timeout(HANG);
-            then();
-        })
-        .at("launch_host_func")?;
-        Ok(Gate(Some(tx)))
+/// Host-mapped 32-bit words for [`Gate`]s: each gate takes a word of its own (never reused), so
+/// no reset can race a wait that has not passed yet.
+struct GateWords {
+    drv: Arc<dyn Driver>,
+    host: usize,
+    dev: u64,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl GateWords {
+    const WORDS: usize = 1 << 14;
+
+    /// Allocates the words through `ctx`'s driver (its device rules make the context current).
+    fn new(ctx: &Context) -> R<Arc<GateWords>> {
+        let drv = ctx.driver().clone();
+        let bytes = Self::WORDS * 4;
+        let host = drv
+            .mem_host_alloc(
+                bytes,
+                driver::host_alloc_flags::DEVICEMAP | driver::host_alloc_flags::PORTABLE,
+            )
+            .at("cuMemHostAlloc")?;
+        // SAFETY: just allocated with DEVICEMAP, `bytes` long; nothing uses it yet.
+        let dev = unsafe {
+            std::ptr::write_bytes(host, 0, bytes);
+            drv.mem_host_get_device_pointer(host)
+        }
+        .at("cuMemHostGetDevicePointer")?;
+        Ok(Arc::new(GateWords {
+            drv,
+            host: host as usize,
+            dev: dev.0,
+            next: std::sync::atomic::AtomicUsize::new(0),
+        }))
+    }
+
+    /// Frees the words; only once every stream has passed its waits on them.
+    fn free(&self) -> R<()> {
+        // SAFETY: allocated by `new`, freed once; the caller waited for every gate's stream.
+        unsafe { self.drv.mem_free_host(self.host as *mut u8) }.at("cuMemFreeHost")
     }
 }
+
+/// Holds a stream busy, the way the H200 allows: `cuStreamWaitValue32` on a host-mapped word
+/// that the drop writes (a host function that blocks would stall the context's one
+/// host-function thread, and stream creation behind it). `then` runs in a host function after
+/// the gate opens.
+struct Gate {
+    words: Arc<GateWords>,
+    i: usize,
+}
+
+impl Gate {
+    fn on(
+        words: &Arc<GateWords>,
+        s: &StreamRef<'_>,
+        then: impl FnOnce() + Send + 'static,
+    ) -> R<Gate> {
+        let i = words.next.fetch_add(1, Ordering::AcqRel);
+        ensure!(i < GateWords::WORDS, "out of gate words");
+        // SAFETY: `s` is held by its owner (live) and not capturing; the word is host-mapped
+        // memory that lives until `GateWords::free`, after every gate has opened.
+        unsafe {
+            words.drv.stream_wait_value32(
+                s.raw(),
+                driver::DevicePtr(words.dev + 4 * i as u64),
+                1,
+                driver::WaitValue::Geq,
+            )
+        }
+        .at("cuStreamWaitValue32")?;
+        s.launch_host_func(then).at("launch_host_func")?;
+        Ok(Gate {
+            words: words.clone(),
+            i,
+        })
+    }
+}
+
 impl Drop for Gate {
     fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
+        // SAFETY: word `i` of the live allocation, 4-byte aligned; the GPU only reads it.
+        let w =
+            unsafe { &*((self.words.host + 4 * self.i) as *const std::sync::atomic::AtomicU32) };
+        w.store(1, Ordering::Release);
     }
 }
 
@@ -439,6 +507,8 @@ struct Worker {
     starved: Vec<(i32, u32)>,
     /// Host functions not waited for yet: each sends once it has run.
     host_fns: Vec<mpsc::Receiver<()>>,
+    /// Gate words for streams of `leaky` (its own simulation's, on the sim).
+    leaky_gates: Arc<GateWords>,
 }
 
 impl Worker {
@@ -911,7 +981,7 @@ impl Worker {
                 let s = o.stream().at("stream")?;
                 let b = DeviceBuffer::<f32>::zeroed(&s, env.n).at("zeroed")?;
                 env.k.add_one(&s, &b).at("add_one")?;
-                let gate = Gate::on(&s, || {})?;
+                let gate = Gate::on(&env.gates, &s, || {})?;
                 let mut done = Box::pin(s.completed().at("completed")?);
                 let w = Dropping::new(&env, Some(Payload::Owner(other)));
                 let extra = Dropping::new(&env, Some(Payload::Buffer(b)));
@@ -953,7 +1023,7 @@ impl Worker {
         let o = t.owner();
         let s = o.stream().at("stream")?;
         let b = DeviceBuffer::<f32>::zeroed(&s, env.n).at("zeroed")?;
-        let gate = Gate::on(&s, || {})?;
+        let gate = Gate::on(&env.gates, &s, || {})?;
         let mut done = Box::pin(s.completed().at("completed")?);
         let second = s.completed().at("completed")?;
         let w = Dropping::new(&env, None);
@@ -1021,7 +1091,7 @@ impl Worker {
         let (tx, rx) = mpsc::channel::<()>();
         let e = env.c.clone();
         let tc = t.clone();
-        let gate = Gate::on(&s, move || {
+        let gate = Gate::on(&env.gates, &s, move || {
             drop(tc);
             bump(&e.host_fn_drops);
             bump(&e.last_ctx_drops);
@@ -1088,7 +1158,7 @@ impl Worker {
     fn leak_completion(&mut self) -> R<()> {
         let o = self.leaky.owner();
         let s = o.stream().at("stream")?;
-        let gate = Gate::on(&s, || {})?;
+        let gate = Gate::on(&self.leaky_gates, &s, || {})?;
         let mut c = Box::pin(s.completed().at("completed")?);
         let w = Dropping::new(&self.env, None);
         ensure!(poll_once(c.as_mut(), &w).is_pending(), "ready early");
@@ -1196,6 +1266,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
     let real = sim.is_none();
     let iters = cfg.iters.unwrap_or(if real { 150 } else { 200 });
     let k = Kernels::load(&ctx).at("Kernels::load")?;
+    let gates = GateWords::new(&ctx)?;
     let env = Arc::new(Env {
         drv: drv.clone(),
         sim: sim.clone(),
@@ -1211,6 +1282,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
         opts,
         n: if real { 1 << 14 } else { 1024 },
         c: Arc::default(),
+        gates,
     });
     println!(
         "sanitizer_stress on the {} driver: {} threads x {iters} iterations, cap {} streams per key",
@@ -1251,7 +1323,12 @@ pub fn run(cfg: &Config) -> R<Summary> {
             let seed = (z ^ (z >> 31)) | 1;
             std::thread::spawn(move || -> R<()> {
                 let leaky = env.new_leaky_context()?;
+                let leaky_gates = match &env.leak_sim {
+                    Some(_) => GateWords::new(&leaky)?,
+                    None => env.gates.clone(),
+                };
                 let mut w = Worker {
+                    leaky_gates,
                     env,
                     rng: Rng(seed),
                     leaky,
@@ -1343,8 +1420,15 @@ pub fn run(cfg: &Config) -> R<Summary> {
     let leaked_allocs = c.leaked_allocs.load(Ordering::Relaxed);
     s.leaked_allocs = leaked_allocs;
     let Env {
-        ctx, k, leak_sim, ..
+        ctx,
+        k,
+        leak_sim,
+        gates,
+        ..
     } = env;
+    // Every gate has opened (every thread has ended) and the shared context's streams have
+    // passed their waits (nothing is in use, all idle or destroyed above).
+    gates.free()?;
     drop(k);
     drop(ctx);
     if let (Some(sim), Some(leak_sim)) = (&sim, &leak_sim) {

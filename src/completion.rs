@@ -425,20 +425,14 @@ struct Staging {
 /// context alive), and blocks no thread: the GPU writes a host-mapped flag that the future's
 /// `poll` reads without a driver call, and the context's poller thread wakes it.
 ///
-/// Dropping it before it resolves is fine: nothing waits, nothing is freed early.
+/// Dropping it before it resolves is fine: nothing waits, nothing is freed early. The waker it
+/// was last polled with stays with the context's poller until the work completes, and is then
+/// woken and dropped there (so what the waker holds, an owner, a buffer, even the last clone of
+/// the context, is kept until then).
 #[must_use = "a completion does nothing unless awaited"]
 pub struct Completion {
     ctx: Context,
     entry: Arc<Entry>,
-}
-
-impl Drop for Completion {
-    /// Drops the waker the entry keeps for this future (after the entry's lock: a waker's drop is
-    /// user code), so that what it holds is not kept until the poller passes the entry.
-    fn drop(&mut self) {
-        let w = lock(&self.entry.state).waker.take();
-        drop(w);
-    }
 }
 
 impl std::fmt::Debug for Completion {

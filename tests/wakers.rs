@@ -406,27 +406,3 @@ fn a_leaving_waiter_passing_its_turn_to_a_cloning_waker_does_not_deadlock() {
     );
     assert!(r.1, "the second waiter was not served");
 }
-
-// Regression: a dropped `Completion` kept its waker in the completion hub until the poller
-// passed its entry (found by examples/sanitizer_stress.rs: an `Owner` held by that waker kept its
-// stream in use after every handle was gone)
-#[test]
-fn dropping_a_pending_completion_drops_its_waker() {
-    let (sim, ctx) = capped(2);
-    let o = ctx.owner();
-    let s = o.stream().unwrap();
-    sim.enqueue_work(s.raw(), 1_000_000_000).unwrap();
-    let mut done = Box::pin(s.completed().unwrap());
-    let holder = ctx.owner();
-    holder.stream().unwrap();
-    let w = holding(holder);
-    assert!(poll(done.as_mut(), &w).is_pending());
-    drop(w); // the entry holds the last clone
-    assert_eq!(ctx.stats().in_use, 2, "o's stream and the holder's");
-    drop(done);
-    assert_eq!(
-        ctx.stats().in_use,
-        1,
-        "the dropped completion's waker still holds an owner"
-    );
-}
