@@ -58,12 +58,96 @@ const HANG: Duration = Duration::from_secs(120);
 
 type R<T> = std::result::Result<T, String>;
 
-/// Adds what failed to a crate error.
+/// What a worker does: its operation, and its last finished call (or the wait it is in).
+type Phase = Arc<Mutex<[&'static str; 2]>>;
+
+std::thread_local! {
+    /// This worker thread's [`Phase`], which [`At::at`] keeps up to date.
+    static PHASE: std::cell::RefCell<Option<Phase>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Set by a worker's signal handler once it has printed its stack.
+static DUMPED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn print_stack(_: libc::c_int) {
+    // Not async-signal-safe (it allocates): only for a hung run, whose workers wait in the
+    // driver or on a lock, not in the allocator.
+    let bt = std::backtrace::Backtrace::force_capture();
+    eprintln!("--- {:?}\n{bt}", std::thread::current().name());
+    DUMPED.store(true, Ordering::Release);
+}
+
+/// Prints the stack of every thread of the process but this one (`CSP_STRESS_STACKS=1`): the
+/// workers, the crate's and the driver's threads, each sent SIGUSR1 in turn.
+fn dump_stacks() {
+    // SAFETY: installs a handler for SIGUSR1, which nothing else in the program uses.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR1,
+            print_stack as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        )
+    };
+    // SAFETY: no preconditions.
+    let (pid, me) = unsafe { (libc::getpid(), libc::gettid()) };
+    let tasks = std::fs::read_dir("/proc/self/task").map(|d| {
+        d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .collect::<Vec<_>>()
+    });
+    for tid in tasks.unwrap_or_default() {
+        if tid == me {
+            continue;
+        }
+        let comm =
+            std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap_or_default();
+        DUMPED.store(false, Ordering::Release);
+        eprintln!("=== thread {tid} {}", comm.trim());
+        // SAFETY: signals a thread of this process, whose SIGUSR1 handler is installed above.
+        unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGUSR1) };
+        let t0 = Instant::now();
+        while !DUMPED.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+fn set_step(step: &'static str) {
+    PHASE.with(|p| {
+        if let Some(p) = &*p.borrow() {
+            p.lock().unwrap_or_else(|e| e.into_inner())[1] = step;
+        }
+    });
+}
+
+/// Creates `n` streams in `ctx`'s CUDA context and destroys them, so that the driver has the
+/// resources of `n` streams before any [`Gate`] holds a stream.
+///
+/// On the H200 a `cuStreamCreate` that needs new resources (about the 31st live stream) blocks
+/// until every stream waiting on host-mapped memory is released, and while it is blocked the
+/// other threads' driver calls in the context wait behind it (`tests/differential_stall*.rs`). A
+/// worker that holds a gate and calls the driver before it opens the gate then deadlocks the
+/// process, whatever the crate does. Created and destroyed streams are reused at once, so a
+/// driver that already made `n` streams never blocks a create below `n` live ones.
+fn prewarm(ctx: &Context, n: usize) -> R<()> {
+    let d = ctx.driver();
+    ctx.bind().at("bind")?;
+    let streams = (0..n)
+        .map(|_| d.stream_create(stream_flags::NON_BLOCKING, 0))
+        .collect::<Result<Vec<_>, _>>()
+        .at("cuStreamCreate")?;
+    for s in streams {
+        // SAFETY: made just above, never used.
+        unsafe { d.stream_destroy(s) }.at("cuStreamDestroy")?;
+    }
+    Ok(())
+}
+
+/// Adds what failed to a crate error (and records the call as this worker's last).
 trait At<T> {
-    fn at(self, what: &str) -> R<T>;
+    fn at(self, what: &'static str) -> R<T>;
 }
 impl<T, E: std::fmt::Display> At<T> for std::result::Result<T, E> {
-    fn at(self, what: &str) -> R<T> {
+    fn at(self, what: &'static str) -> R<T> {
+        set_step(what);
         self.map_err(|e| format!("{what}: {e}"))
     }
 }
@@ -91,6 +175,11 @@ pub struct Config {
     pub gpu: bool,
     /// The seed of the threads' random choices.
     pub seed: u64,
+    /// Streams created and destroyed before the run on the real driver (see [`prewarm`]).
+    pub prewarm: usize,
+    /// Seconds without a finished operation after which the run prints what every worker
+    /// does and exits with status 3 (0: never).
+    pub watchdog_s: u64,
 }
 
 impl Default for Config {
@@ -102,6 +191,8 @@ impl Default for Config {
             sim: false,
             gpu: false,
             seed: 19,
+            watchdog_s: 0,
+            prewarm: 1024,
         }
     }
 }
@@ -112,7 +203,7 @@ impl Config {
         let mut c = Config::default();
         let mut it = args.into_iter();
         while let Some(a) = it.next() {
-            let mut num = |name: &str| -> R<u64> {
+            let mut num = |name: &'static str| -> R<u64> {
                 it.next()
                     .ok_or_else(|| format!("{name} needs a number"))?
                     .parse::<u64>()
@@ -123,11 +214,13 @@ impl Config {
                 "--iters" => c.iters = Some(num("--iters")? as usize),
                 "--cap" => c.cap = num("--cap")?.max(1) as usize,
                 "--seed" => c.seed = num("--seed")?,
+                "--watchdog" => c.watchdog_s = num("--watchdog")?,
+                "--prewarm" => c.prewarm = num("--prewarm")? as usize,
                 "--sim" => c.sim = true,
                 "--gpu" => c.gpu = true,
                 "-h" | "--help" => {
                     return Err(
-                        "usage: sanitizer_stress [--threads N] [--iters N] [--cap N] [--seed N] [--sim | --gpu]"
+                        "usage: sanitizer_stress [--threads N] [--iters N] [--cap N] [--seed N] [--watchdog SECS] [--prewarm N] [--sim | --gpu]"
                             .into(),
                     )
                 }
@@ -251,6 +344,8 @@ struct Env {
     c: Arc<Counters>,
     /// Gate words of `drv` (see [`Gate`]).
     gates: Arc<GateWords>,
+    /// What each worker is doing (read by the watchdog when the run stops making progress).
+    phases: Vec<Phase>,
 }
 
 impl Env {
@@ -336,7 +431,8 @@ impl Dropping {
     }
 
     /// Waits (parked) until woken, or fails after [`HANG`].
-    fn wait(&self, what: &str) -> R<()> {
+    fn wait(&self, what: &'static str) -> R<()> {
+        set_step(what);
         let t0 = Instant::now();
         while !self.woken.swap(false, Ordering::AcqRel) {
             ensure!(t0.elapsed() < HANG, "hang: {what} was never woken");
@@ -364,7 +460,8 @@ impl Drop for Dropping {
 }
 
 /// Polls `f` to completion on this thread, parking between polls (a minimal executor).
-fn block_on<F: Future>(f: F, w: &Arc<Dropping>, what: &str) -> R<F::Output> {
+fn block_on<F: Future>(f: F, w: &Arc<Dropping>, what: &'static str) -> R<F::Output> {
+    set_step(what);
     let mut f = std::pin::pin!(f);
     let waker = Waker::from(w.clone());
     let mut cx = std::task::Context::from_waker(&waker);
@@ -499,6 +596,8 @@ fn all_eq<T: PartialEq + Copy + std::fmt::Debug>(what: &str, v: &[T], want: T) -
 
 struct Worker {
     env: Arc<Env>,
+    /// This worker's index in `env.phases`.
+    id: usize,
     rng: Rng,
     /// A context of this thread for the leaks that keep a context (or a stream of a capped key)
     /// for ever: forgotten futures and owners, leaked loans and captures. Never torn down.
@@ -516,17 +615,44 @@ impl Worker {
         &self.env.ctx
     }
 
+    /// Records the operation this worker runs next (`op`), or the step within it (`step`), for
+    /// the watchdog.
+    fn phase(&self, op: Option<&'static str>, step: &'static str) {
+        if let Some(op) = op {
+            self.env.phases[self.id]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())[0] = op;
+        }
+        set_step(step);
+    }
+
+    fn step(&self, step: &'static str) {
+        set_step(step);
+    }
+
     /// An owner holding its stream of the shared context, taken blocking or through its future
     /// (both wait at the cap).
     fn acquire(&mut self, flags: u32) -> R<Owner> {
         let o = Owner::with_flags(self.ctx(), flags);
-        if self.rng.pct(50) {
+        let o = if self.rng.pct(50) {
+            self.step(if flags == stream_flags::DEFAULT {
+                "acquire DEFAULT (blocking)"
+            } else {
+                "acquire NON_BLOCKING (blocking)"
+            });
             o.stream().at("Owner::stream")?;
-            Ok(o)
+            o
         } else {
+            self.step(if flags == stream_flags::DEFAULT {
+                "acquire DEFAULT (OwnerReady)"
+            } else {
+                "acquire NON_BLOCKING (OwnerReady)"
+            });
             let w = Dropping::new(&self.env, None);
-            block_on(o.ready(), &w, "an OwnerReady")?.at("OwnerReady")
-        }
+            block_on(o.ready(), &w, "an OwnerReady")?.at("OwnerReady")?
+        };
+        self.step("acquired");
+        Ok(o)
     }
 
     fn run(&mut self, iters: usize) -> R<()> {
@@ -534,6 +660,15 @@ impl Worker {
         self.leak_completion()?;
         for i in 0..iters {
             let op = self.rng.below(100);
+            let name = match op {
+                0..=24 => "buffers",
+                25..=49 => "loan",
+                50..=59 => "capture",
+                60..=79 => "wakers",
+                80..=91 => "host_fns",
+                _ => "leak_futures",
+            };
+            self.phase(Some(name), "start");
             let r = match op {
                 0..=24 => self.buffers(),
                 25..=49 => self.loan(),
@@ -542,14 +677,19 @@ impl Worker {
                 80..=91 => self.host_fns(),
                 _ => self.leak_futures(),
             };
+            self.step("done");
             r.map_err(|e| format!("iteration {i} (op {op}): {e}"))?;
             bump(&self.env.c.ops);
         }
         // (No `Context::synchronize` instead: it fails while any stream of the CUDA context is
         // capturing, and the leaked captures never end.)
+        self.phase(Some("end"), "waiting for host functions");
         for rx in self.host_fns.drain(..) {
-            rx.recv_timeout(HANG)
-                .map_err(|_| "hang: a host function never ran".to_string())?;
+            {
+                set_step("waiting for a host function");
+                rx.recv_timeout(HANG)
+            }
+            .map_err(|_| "hang: a host function never ran".to_string())?;
         }
         Ok(())
     }
@@ -1074,8 +1214,11 @@ impl Worker {
         })
         .at("launch_host_func")?;
         if self.rng.pct(50) {
-            rx.recv_timeout(HANG)
-                .map_err(|_| "hang: a host function never ran".to_string())?;
+            {
+                set_step("waiting for a host function");
+                rx.recv_timeout(HANG)
+            }
+            .map_err(|_| "hang: a host function never ran".to_string())?;
         } else {
             self.host_fns.push(rx);
         }
@@ -1102,8 +1245,11 @@ impl Worker {
         drop(o);
         drop(t);
         drop(gate);
-        rx.recv_timeout(HANG)
-            .map_err(|_| "hang: a host function never ran".to_string())?;
+        {
+            set_step("waiting for a host function");
+            rx.recv_timeout(HANG)
+        }
+        .map_err(|_| "hang: a host function never ran".to_string())?;
         Ok(())
     }
 
@@ -1265,6 +1411,9 @@ pub fn run(cfg: &Config) -> R<Summary> {
     }
     let real = sim.is_none();
     let iters = cfg.iters.unwrap_or(if real { 150 } else { 200 });
+    if real {
+        prewarm(&ctx, cfg.prewarm)?;
+    }
     let k = Kernels::load(&ctx).at("Kernels::load")?;
     let gates = GateWords::new(&ctx)?;
     let env = Arc::new(Env {
@@ -1283,6 +1432,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
         n: if real { 1 << 14 } else { 1024 },
         c: Arc::default(),
         gates,
+        phases: (0..cfg.threads).map(|_| Phase::default()).collect(),
     });
     println!(
         "sanitizer_stress on the {} driver: {} threads x {iters} iterations, cap {} streams per key",
@@ -1309,9 +1459,14 @@ pub fn run(cfg: &Config) -> R<Summary> {
         })
         .collect::<Vec<_>>();
     let t0 = Instant::now();
+    // Every worker makes its leaky context before any closes a gate: creates stall while a
+    // gate holds a stream (see `prewarm`), and under compute-sanitizer the prewarmed streams
+    // did not prevent it (one run: the workers' first contexts' creates stalled).
+    let start = Arc::new(std::sync::Barrier::new(cfg.threads));
     let handles: Vec<_> = (0..cfg.threads)
         .map(|t| {
             let env = env.clone();
+            let start = start.clone();
             // splitmix64 of (seed, thread): distinct, non-zero xorshift states.
             let mut z = cfg
                 .seed
@@ -1322,13 +1477,17 @@ pub fn run(cfg: &Config) -> R<Summary> {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             let seed = (z ^ (z >> 31)) | 1;
             std::thread::spawn(move || -> R<()> {
-                let leaky = env.new_leaky_context()?;
+                PHASE.with(|p| *p.borrow_mut() = Some(env.phases[t].clone()));
+                let leaky = env.new_leaky_context();
+                start.wait();
+                let leaky = leaky?;
                 let leaky_gates = match &env.leak_sim {
                     Some(_) => GateWords::new(&leaky)?,
                     None => env.gates.clone(),
                 };
                 let mut w = Worker {
                     leaky_gates,
+                    id: t,
                     env,
                     rng: Rng(seed),
                     leaky,
@@ -1339,6 +1498,48 @@ pub fn run(cfg: &Config) -> R<Summary> {
             })
         })
         .collect();
+    // A run that stops making progress prints what every worker does, and ends.
+    let mut last = (Instant::now(), u64::MAX);
+    while !handles.iter().all(|h| h.is_finished()) {
+        std::thread::sleep(Duration::from_millis(100));
+        let ops = env.c.ops.load(Ordering::Relaxed);
+        if ops != last.1 {
+            last = (Instant::now(), ops);
+        } else if cfg.watchdog_s > 0 && last.0.elapsed() > Duration::from_secs(cfg.watchdog_s) {
+            eprintln!(
+                "sanitizer_stress: no progress for {} s after {ops} operations; the workers:",
+                cfg.watchdog_s
+            );
+            for (t, (p, h)) in env.phases.iter().zip(&handles).enumerate() {
+                let p = *p.lock().unwrap_or_else(|e| e.into_inner());
+                let fin = if h.is_finished() { " (finished)" } else { "" };
+                eprintln!(
+                    "  thread {t}{fin}: in {}, last call or wait: {}",
+                    p[0], p[1]
+                );
+            }
+            eprintln!("  shared context: {:?}", env.ctx.stats());
+            for f in [stream_flags::NON_BLOCKING, stream_flags::DEFAULT] {
+                for p in [Priority::Normal, Priority::High] {
+                    if let Ok(ks) = env.ctx.stats_for_key(p, f) {
+                        eprintln!("  key ({p:?}, {f}): {ks:?}");
+                    }
+                }
+            }
+            eprintln!("  pending frees/destroys: {}", env.ctx.pending());
+            if std::env::var_os("CSP_STRESS_STACKS").is_some() {
+                dump_stacks();
+            }
+            // Time for a debugger to attach (`CSP_STRESS_HOLD=SECS`).
+            if let Some(hold) = std::env::var("CSP_STRESS_HOLD")
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                std::thread::sleep(Duration::from_secs(hold));
+            }
+            std::process::exit(3);
+        }
+    }
     let mut errors = Vec::new();
     for h in handles {
         match h.join() {
@@ -1435,7 +1636,11 @@ pub fn run(cfg: &Config) -> R<Summary> {
         // Nothing of the shared context nor of the short-lived ones is left (some teardowns
         // run on a thread of their own, or at a later call: wait for them).
         let t = Instant::now();
+        let drv: Arc<dyn Driver> = sim.clone();
         loop {
+            // The page-locked memory that the teardowns kept for later states of the context
+            // (they never free it: see `release_pinned_cache`).
+            cuda_stream_pool::release_pinned_cache(&drv).at("release_pinned_cache")?;
             let cn = sim.counters();
             let left = (
                 cn.live_contexts,
@@ -1471,6 +1676,12 @@ pub fn run(cfg: &Config) -> R<Summary> {
         for (name, d) in [("shared", sim), ("leaky", leak_sim)] {
             let m = d.misuse();
             ensure!(m.is_empty(), "the {name} simulation found misuse: {m:#?}");
+            let w = d.device_waits();
+            ensure!(
+                w.is_empty(),
+                "calls that wait for every stream of the device, made while one was busy ({name}): \
+                 {w:#?}"
+            );
             let u = d.unrelaxed_calls();
             ensure!(
                 u.is_empty(),

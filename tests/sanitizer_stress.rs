@@ -17,6 +17,7 @@ fn run(threads: usize, iters: usize, cap: usize, seed: u64) -> stress::Summary {
         sim: true,
         gpu: false,
         seed,
+        ..stress::Config::default()
     };
     let s = stress::run(&cfg).unwrap_or_else(|e| panic!("{e}"));
     // What the random mix must have exercised (fixed by the seed).
