@@ -140,7 +140,7 @@ impl SimDriver {
             );
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuMemFreeHost");
         };
-        self.progress(&mut st);
+        self.note_device_wait(&mut st, "cuMemFreeHost");
         let a = st.host_mem.by_dev.remove(&dev).expect("indexed both ways");
         let end = dev + a.bytes as u64;
         let pending = st.streams.values().any(|s| {

@@ -162,6 +162,8 @@ struct State {
     misuse: Vec<String>,
     /// Calls of the invalidation table made outside relaxed mode while a capture was live.
     unrelaxed: Vec<String>,
+    /// Calls that wait for every stream of the device, made while a stream had work pending.
+    device_waits: Vec<String>,
     counters: SimCounters,
     capture_seq: u64,
     /// Live captures by id.
@@ -324,6 +326,7 @@ impl SimDriver {
                 calls: 0,
                 misuse: Vec::new(),
                 unrelaxed: Vec::new(),
+                device_waits: Vec::new(),
                 counters: SimCounters::default(),
                 capture_seq: 0,
                 captures: HashMap::new(),
@@ -437,6 +440,48 @@ impl SimDriver {
     /// ```
     pub fn unrelaxed_calls(&self) -> Vec<String> {
         self.lock().unrelaxed.clone()
+    }
+
+    /// Calls that wait for the work of every stream of the device, made while a stream had
+    /// work that had not completed: `cuMemFreeHost`, `cuModuleLoadData`, `cuModuleUnload` and
+    /// `cuCtxSynchronize` (measured on the H200, `tests/differential_implicit_sync.rs`). On a
+    /// GPU such a call stalls for as long as any other work of the device runs, holding a lock
+    /// of the driver that other threads' calls need: with a stream that waits for a flag the
+    /// host writes after a driver call, the process deadlocks. The simulation does not wait; it
+    /// notes the call here, and the crate must make none that its user did not ask for.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{host_alloc_flags, stream_flags, Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.init().unwrap();
+    /// let ctx = sim.primary_ctx_retain(sim.device_get(0).unwrap()).unwrap();
+    /// // SAFETY: the context was just retained.
+    /// unsafe { sim.ctx_set_current(ctx) }.unwrap();
+    /// let s = sim.stream_create(stream_flags::NON_BLOCKING, 0).unwrap();
+    /// let h = sim.mem_host_alloc(64, host_alloc_flags::PORTABLE).unwrap();
+    /// sim.enqueue_work(s, 1_000).unwrap();       // 1 µs of work on `s`
+    /// // SAFETY: `h` is a live host allocation that nothing uses.
+    /// unsafe { sim.mem_free_host(h) }.unwrap();  // waits for `s` on a GPU
+    /// assert_eq!(sim.device_waits().len(), 1);
+    /// ```
+    pub fn device_waits(&self) -> Vec<String> {
+        self.lock().device_waits.clone()
+    }
+
+    /// Notes `call` in [`SimDriver::device_waits`] if a stream has work pending (after the
+    /// clock's progress).
+    fn note_device_wait(&self, st: &mut State, call: &'static str) {
+        self.progress(st);
+        let busy: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|(_, s)| !s.queue.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        if !busy.is_empty() {
+            let note = format!("{call} while stream(s) {busy:?} had work pending");
+            st.device_waits.push(note);
+        }
     }
 
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
@@ -627,6 +672,7 @@ impl Driver for SimDriver {
     fn ctx_synchronize(&self) -> Result<()> {
         let mut st = self.enter("cuCtxSynchronize", None, None, None)?;
         let ctx = self.need_ctx(&mut st, "cuCtxSynchronize")?;
+        self.note_device_wait(&mut st, "cuCtxSynchronize");
         Self::no_capture_in_ctx(&mut st, ctx, "cuCtxSynchronize")?;
         self.unsafe_call(&mut st, "cuCtxSynchronize")?;
         if let Some(l) = self.lat() {
@@ -1118,6 +1164,7 @@ impl Driver for SimDriver {
     fn module_load_data(&self, image: &CStr) -> Result<Module> {
         let mut st = self.enter("cuModuleLoadData", None, None, None)?;
         self.need_ctx(&mut st, "cuModuleLoadData")?;
+        self.note_device_wait(&mut st, "cuModuleLoadData");
         // Measured on the H200: the load succeeds, the conflicting captures are invalidated.
         self.unsafe_call_succeeds(&mut st, "cuModuleLoadData");
         if !image.to_bytes().windows(8).any(|w| w == b".version") {
@@ -1151,6 +1198,7 @@ impl Driver for SimDriver {
         if st.modules.remove(&module.0).is_none() {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_HANDLE, "cuModuleUnload");
         }
+        self.note_device_wait(&mut st, "cuModuleUnload");
         st.counters.live_modules -= 1;
         Ok(())
     }
