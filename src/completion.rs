@@ -20,6 +20,7 @@ use crate::context::Context;
 use crate::driver::{host_alloc_flags, DevicePtr, Driver};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceCopy};
+use crate::pinned::{self, Block, Home};
 use crate::stream::StreamRef;
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
@@ -106,13 +107,16 @@ struct HubState {
     running: bool,
     /// Pinned staging blocks for copies to the host, by size class (power of two bytes).
     staging: Vec<(usize, Vec<usize>)>,
-    /// Every staging block ever allocated (freed at teardown): (address, bytes).
-    staging_all: Vec<usize>,
+    /// Every staging block of the hub (shelved at teardown): (address, size class).
+    staging_all: Vec<(usize, usize)>,
 }
 
 /// A context's completion machinery: the slabs of flags, the poller thread, staging memory.
 pub(crate) struct Hub {
     driver: Arc<dyn Driver>,
+    /// The CUDA context whose shelf of page-locked blocks the hub takes from and gives back
+    /// to (see pinned.rs: the crate never frees them on its own).
+    home: Home,
     state: Mutex<HubState>,
     cv: Condvar,
     stop: AtomicBool,
@@ -128,9 +132,10 @@ impl std::fmt::Debug for Hub {
 }
 
 impl Hub {
-    pub(crate) fn new(driver: Arc<dyn Driver>) -> Arc<Hub> {
+    pub(crate) fn new(home: Home) -> Arc<Hub> {
         Arc::new(Hub {
-            driver,
+            driver: home.driver.clone(),
+            home,
             state: Mutex::new(HubState {
                 slabs: Vec::new(),
                 free: Vec::new(),
@@ -152,21 +157,33 @@ impl Hub {
     fn take_slot(&self) -> Result<(usize, usize, DevicePtr, u64)> {
         let mut st = lock(&self.state);
         if st.free.is_empty() {
-            let host = self.driver.mem_host_alloc(
-                SLAB_SLOTS * 8,
-                host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE,
-            )?;
-            // SAFETY: `host` was just allocated with DEVICEMAP.
+            let flags = host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE;
+            let bytes = SLAB_SLOTS * 8;
+            // A slab of an earlier state of the context, or a new one.
+            let host = match pinned::take(&self.home, bytes, flags) {
+                Some(b) => b.host as *mut u8,
+                None => self.driver.mem_host_alloc(bytes, flags)?,
+            };
+            // SAFETY: `host` is a live allocation made with DEVICEMAP.
             let dev = match unsafe { self.driver.mem_host_get_device_pointer(host) } {
                 Ok(d) => d,
                 Err(e) => {
-                    // SAFETY: just allocated, nothing uses it.
-                    let _ = unsafe { self.driver.mem_free_host(host) };
+                    let b = Block {
+                        host: host as usize,
+                        bytes,
+                        flags,
+                    };
+                    // Back to the shelf (an adopted context's is freed: nothing uses it).
+                    for b in pinned::give(&self.home, vec![b]) {
+                        // SAFETY: the block just taken or allocated, used by no one.
+                        let _ = unsafe { pinned::free(&*self.driver, b) };
+                    }
                     return Err(e);
                 }
             };
-            // SAFETY: the slab is SLAB_SLOTS * 8 bytes; nothing uses it yet.
-            unsafe { std::ptr::write_bytes(host, 0, SLAB_SLOTS * 8) };
+            // SAFETY: the slab is SLAB_SLOTS * 8 bytes; nothing uses it (a shelved one's writes
+            // all landed before it was shelved): its old sequence numbers are cleared.
+            unsafe { std::ptr::write_bytes(host, 0, bytes) };
             let base = st.slabs.len() * SLAB_SLOTS;
             st.slabs.push(Slab { host, dev });
             st.next_seq.extend(std::iter::repeat_n(1, SLAB_SLOTS));
@@ -299,10 +316,13 @@ impl Hub {
         {
             return Ok(Staging { addr: p, class });
         }
-        let p = self
-            .driver
-            .mem_host_alloc(class, host_alloc_flags::PORTABLE)?;
-        st.staging_all.push(p as usize);
+        let p = match pinned::take(&self.home, class, host_alloc_flags::PORTABLE) {
+            Some(b) => b.host as *mut u8,
+            None => self
+                .driver
+                .mem_host_alloc(class, host_alloc_flags::PORTABLE)?,
+        };
+        st.staging_all.push((p as usize, class));
         Ok(Staging {
             addr: p as usize,
             class,
@@ -313,7 +333,7 @@ impl Hub {
     /// its wait failed. [`KeptStaging`] gives it back once that copy is known complete; until
     /// then the hub's teardown does not free it (nor ever, if that never happens).
     fn detach_staging(self: &Arc<Self>, s: Staging) -> KeptStaging {
-        lock(&self.state).staging_all.retain(|&p| p != s.addr);
+        lock(&self.state).staging_all.retain(|&(p, _)| p != s.addr);
         KeptStaging {
             hub: self.clone(),
             staging: Some(s),
@@ -382,18 +402,30 @@ impl Hub {
         if leak {
             return;
         }
-        let mut st = lock(&self.state);
-        for s in st.slabs.drain(..) {
-            // SAFETY: every write into the slab has landed (no pending entry), and no future
-            // holds the context any more; freed once.
-            let _ = unsafe { self.driver.mem_free_host(s.host) };
+        let blocks: Vec<Block> = {
+            let mut guard = lock(&self.state);
+            let st = &mut *guard;
+            let slabs = st.slabs.drain(..).map(|s| Block {
+                host: s.host as usize,
+                bytes: SLAB_SLOTS * 8,
+                flags: host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE,
+            });
+            let staging = st.staging_all.drain(..).map(|(p, class)| Block {
+                host: p,
+                bytes: class,
+                flags: host_alloc_flags::PORTABLE,
+            });
+            slabs.chain(staging).collect()
+        };
+        // Every write into the slabs has landed (no pending entry) and every copy into staging
+        // memory has completed, and no future holds the context any more: the blocks go to the
+        // context's shelf, for its next state (pinned.rs: a free would wait for every stream
+        // of the device). An adopted context's are freed: it may be destroyed after this.
+        for b in pinned::give(&self.home, blocks) {
+            // SAFETY: as above, nothing uses the block; given back by the shelf, freed once.
+            let _ = unsafe { pinned::free(&*self.driver, b) };
         }
-        for p in st.staging_all.drain(..) {
-            // SAFETY: every copy into staging memory has completed (its entry landed, or the
-            // copy was synchronized); freed once.
-            let _ = unsafe { self.driver.mem_free_host(p as *mut u8) };
-        }
-        st.staging.clear();
+        lock(&self.state).staging.clear();
     }
 }
 
@@ -408,7 +440,7 @@ struct KeptStaging {
 impl Drop for KeptStaging {
     fn drop(&mut self) {
         if let Some(s) = self.staging.take() {
-            lock(&self.hub.state).staging_all.push(s.addr);
+            lock(&self.hub.state).staging_all.push((s.addr, s.class));
             self.hub.return_staging(s);
         }
     }

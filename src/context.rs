@@ -925,8 +925,15 @@ impl Context {
 impl CtxInner {
     /// The context's completion hub (made on first use; its memory and thread come later).
     pub(crate) fn hub(&self) -> &Arc<crate::completion::Hub> {
-        self.hub
-            .get_or_init(|| crate::completion::Hub::new(self.driver.clone()))
+        self.hub.get_or_init(|| {
+            crate::completion::Hub::new(crate::pinned::Home {
+                driver: self.driver.clone(),
+                inner: self.rules.inner.clone(),
+                ctx: self.raw,
+                device: self.device,
+                maybe_primary: self.primary || self._keep_alive.is_some(),
+            })
+        })
     }
 
     /// Opens a scope of the device rules (driver/rules.rs) for an operation that makes several

@@ -1,0 +1,219 @@
+//! Page-locked host memory that the crate does not free while the process runs.
+//!
+//! `cuMemFreeHost` waits for the work of every stream of the device, and while it waits it
+//! holds a lock of the driver that every other thread's call in the context needs (measured on
+//! the H200: `tests/differential_implicit_sync.rs`, `tests/differential_stall_others.rs`). A
+//! context's teardown that freed its completion slabs and staging blocks could therefore wait
+//! for other libraries' work, and deadlock the process when a stream waits for the host (a
+//! flag that a thread writes after its next driver call, as NCCL's proxies do): the writer's
+//! call waits for the lock, the free for the writer. So a teardown puts its blocks on a shelf
+//! of the CUDA context instead, and later states of that context take them from there. The
+//! shelf keeps the primary context retained while it holds blocks (they live as long as their
+//! context); [`release_pinned_cache`] frees them when the program asks, as PyTorch's caching
+//! host allocator does.
+//!
+//! Only primary contexts have a shelf (an adopted one too, such as cudarc's): a context that
+//! its creator destroys once the crate's state for it is gone would take its blocks with it, so
+//! the teardown of such a state frees them (and waits).
+
+use crate::driver::{self, Device, Driver};
+use crate::error::Result;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// Where blocks come from and go back to: a CUDA context of a driver.
+#[derive(Clone)]
+pub(crate) struct Home {
+    /// The context's driver behind the device rules (the context set): the shelf frees
+    /// through it.
+    pub(crate) driver: Arc<dyn Driver>,
+    /// The driver under the device rules, whose address identifies it.
+    pub(crate) inner: Arc<dyn Driver>,
+    pub(crate) ctx: driver::Context,
+    pub(crate) device: Device,
+    /// Whether `ctx` may be the device's primary context: a state of the primary context, or
+    /// an adopted one kept alive by another crate's handle (cudarc's contexts are primary).
+    /// Only then does a teardown ask (with a retain, which would activate an inactive primary
+    /// context) whether it is.
+    pub(crate) maybe_primary: bool,
+}
+
+impl std::fmt::Debug for Home {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Home")
+            .field("ctx", &self.ctx)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A block of page-locked host memory: its address, size and `cuMemHostAlloc` flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub(crate) host: usize,
+    pub(crate) bytes: usize,
+    pub(crate) flags: u32,
+}
+
+struct Shelf {
+    /// Frees through it; keeps the driver alive (and so its address unique).
+    driver: Arc<dyn Driver>,
+    inner: Arc<dyn Driver>,
+    ctx: driver::Context,
+    device: Device,
+    blocks: Vec<Block>,
+}
+
+fn shelves() -> MutexGuard<'static, Vec<Shelf>> {
+    static SHELVES: OnceLock<Mutex<Vec<Shelf>>> = OnceLock::new();
+    // No user code and no driver call runs under this lock, so it is never poisoned by a
+    // panic of the crate's; a poisoned one is still consistent (every change is one push or
+    // one removal).
+    SHELVES
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+fn same(a: &Arc<dyn Driver>, b: &Arc<dyn Driver>) -> bool {
+    std::ptr::eq(Arc::as_ptr(a) as *const (), Arc::as_ptr(b) as *const ())
+}
+
+/// A shelved block of `home`'s context with this size and flags, if there is one.
+pub(crate) fn take(home: &Home, bytes: usize, flags: u32) -> Option<Block> {
+    let mut sh = shelves();
+    let shelf = sh
+        .iter_mut()
+        .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)?;
+    let i = shelf
+        .blocks
+        .iter()
+        .position(|b| b.bytes == bytes && b.flags == flags)?;
+    Some(shelf.blocks.swap_remove(i))
+}
+
+/// Puts `blocks` (no longer used by anyone, no write to them pending) on the shelf of `home`'s
+/// context; the first block of a shelf retains the primary context. Returns the blocks it
+/// could not shelve (those of a context that is not the device's primary one, such as a
+/// context the caller created and adopted, or all of them when the retain failed): the caller
+/// frees those.
+pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
+    if blocks.is_empty() || !home.maybe_primary {
+        return blocks;
+    }
+    {
+        let mut sh = shelves();
+        if let Some(s) = sh
+            .iter_mut()
+            .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)
+        {
+            s.blocks.extend(blocks);
+            return Vec::new();
+        }
+    }
+    // A new shelf: its retain keeps the context (and the blocks) alive. Made outside the lock.
+    // It also tells whether the context is the primary one (an adopted context may be, as
+    // cudarc's is).
+    match home.driver.primary_ctx_retain(home.device) {
+        Ok(p) if p == home.ctx => {}
+        Ok(_) => {
+            // SAFETY: the retain just made, released once.
+            let _ = unsafe { home.driver.primary_ctx_release(home.device) };
+            return blocks;
+        }
+        Err(_) => return blocks,
+    }
+    let mut sh = shelves();
+    if let Some(s) = sh
+        .iter_mut()
+        .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)
+    {
+        // Another teardown made the shelf meanwhile: one retain is enough.
+        s.blocks.extend(blocks);
+        drop(sh);
+        // SAFETY: the retain just made, released once.
+        let _ = unsafe { home.driver.primary_ctx_release(home.device) };
+        return Vec::new();
+    }
+    sh.push(Shelf {
+        driver: home.driver.clone(),
+        inner: home.inner.clone(),
+        ctx: home.ctx,
+        device: home.device,
+        blocks,
+    });
+    Vec::new()
+}
+
+/// Frees `b` through `driver` (its context set by the device rules).
+///
+/// # Safety
+/// `b` must be a live block of `driver`'s context that nothing uses, freed once.
+pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { driver.mem_free_host(b.host as *mut u8) }
+}
+
+/// Frees the page-locked host memory that the crate keeps for reuse by later states of
+/// `driver`'s primary contexts (completion flags and staging blocks of torn-down states), and
+/// releases the primary contexts it kept for it. Returns how many blocks it freed.
+///
+/// The crate never frees that memory on its own: `cuMemFreeHost` waits for the work of every
+/// stream of the device, holding a lock of the driver that other threads' calls need, so a
+/// free at an unchosen moment can stall other work for as long as it runs, or deadlock a
+/// process in which a stream waits for a flag that the host writes after a driver call.
+/// Call this where that cannot happen (at the end of a program, or between phases), if the
+/// few kilobytes per context matter.
+///
+/// ```
+/// use cuda_stream_pool::{driver::{Driver, SimDriver}, release_pinned_cache, Context};
+/// use std::sync::Arc;
+/// let sim = Arc::new(SimDriver::new());
+/// let drv: Arc<dyn Driver> = sim.clone();
+/// let ctx = Context::primary(drv.clone(), 0).unwrap();
+/// let owner = ctx.owner();
+/// let s = owner.stream().unwrap();
+/// let done = s.completed().unwrap(); // the context's completion flags: a host-mapped slab
+/// sim.advance(0);
+/// assert!(done.is_complete());
+/// drop((done, s));
+/// drop((owner, ctx));
+/// assert_eq!(sim.counters().live_host_allocs, 1); // kept for the context's next state
+/// assert_eq!(release_pinned_cache(&drv).unwrap(), 1);
+/// assert_eq!(sim.counters().live_host_allocs, 0);
+/// assert_eq!(sim.counters().live_contexts, 0);
+/// ```
+///
+/// # Errors
+/// The first failure of a free or a release (the others are still made).
+pub fn release_pinned_cache(driver: &Arc<dyn Driver>) -> Result<usize> {
+    let mine: Vec<Shelf> = {
+        let mut sh = shelves();
+        let (mine, rest) = std::mem::take(&mut *sh)
+            .into_iter()
+            .partition(|s| same(&s.inner, driver));
+        *sh = rest;
+        mine
+    };
+    let mut first = Ok(());
+    let mut freed = 0;
+    for s in mine {
+        for b in s.blocks {
+            // SAFETY: a shelved block: live (its context is retained by the shelf), used by
+            // no one, removed from the shelf above, so freed once.
+            match unsafe { free(&*s.driver, b) } {
+                Ok(()) => freed += 1,
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                }
+            }
+        }
+        // SAFETY: the shelf's retain, released once.
+        if let Err(e) = unsafe { s.driver.primary_ctx_release(s.device) } {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first.map(|()| freed)
+}

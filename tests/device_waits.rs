@@ -1,0 +1,122 @@
+//! The crate makes no call that waits for other streams' work where its user did not ask for a
+//! wait: a context's teardown shelves its page-locked memory instead of freeing it
+//! (`cuMemFreeHost` waits for every stream of the device, measured on the H200 in
+//! `differential_implicit_sync.rs`).
+//!
+//! Regression: the issue-19 stress program hung at 16 threads on the H200: a short-lived
+//! context's teardown, on a thread of its own, freed its completion slab with `cuMemFreeHost`,
+//! which waited for a stream held by a host-written flag while holding a driver lock; the
+//! thread that would write the flag waited for that lock in `cuLaunchHostFunc`.
+
+mod common;
+
+use common::stall::{with_watchdog, HostWord, Trigger};
+use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::{release_pinned_cache, Context, DeviceBuffer};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// A state of `d`'s primary context that uses completion flags and a staging block, then is
+/// torn down by the last drop.
+fn use_and_drop_a_context(d: &Arc<dyn Driver>) {
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let b = DeviceBuffer::<u32>::from_slice(&s, &[1, 2, 3]).unwrap();
+    let copy = b.to_vec_async(&s).unwrap();
+    s.synchronize().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    assert_eq!(rt.block_on(copy).unwrap(), [1, 2, 3]);
+    drop(b);
+    drop(s);
+    drop(owner);
+    drop(ctx);
+}
+
+/// While another stream of the device is held, a context is used and torn down on another
+/// thread; returns whether that returned only after the held stream was released.
+fn teardown_waited_for_a_held_stream(d: &Arc<dyn Driver>, trigger: Trigger) -> bool {
+    let e = common::Env::new(d);
+    let word = HostWord::new(d);
+    let w = e.stream();
+    // SAFETY: `w` is live and not capturing; the watchdog sets the word before `w` is
+    // synchronized and destroyed, and before the word is dropped.
+    unsafe { word.hold(w, 1) };
+    let d2 = d.clone();
+    let late = with_watchdog(&word, 1, &trigger, move |released| {
+        use_and_drop_a_context(&d2);
+        released.load(Ordering::Acquire)
+    });
+    // SAFETY: released above; nothing else uses `w`.
+    unsafe {
+        d.stream_synchronize(w).unwrap();
+        d.stream_destroy(w).unwrap();
+    }
+    late
+}
+
+#[test]
+fn a_teardown_makes_no_call_that_waits_for_other_streams() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let late =
+        teardown_waited_for_a_held_stream(&d, Trigger::After(std::time::Duration::from_millis(20)));
+    assert!(!late, "the simulation never blocks");
+    assert_eq!(sim.device_waits(), Vec::<String>::new());
+    release_pinned_cache(&d).unwrap();
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+#[test]
+fn later_states_of_a_context_reuse_its_page_locked_memory() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop_a_context(&d);
+    let kept = sim.counters().live_host_allocs;
+    assert_eq!(kept, 2, "a completion slab and a staging block are kept");
+    for _ in 0..5 {
+        use_and_drop_a_context(&d);
+    }
+    assert_eq!(sim.counters().live_host_allocs, kept);
+    assert_eq!(release_pinned_cache(&d).unwrap(), 2);
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+    // Nothing is left to release, and a new state allocates again.
+    assert_eq!(release_pinned_cache(&d).unwrap(), 0);
+    use_and_drop_a_context(&d);
+    assert_eq!(release_pinned_cache(&d).unwrap(), 2);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+#[test]
+fn the_shelf_is_per_driver() {
+    let (a, b) = (Arc::new(SimDriver::new()), Arc::new(SimDriver::new()));
+    let (da, db): (Arc<dyn Driver>, Arc<dyn Driver>) = (a.clone(), b.clone());
+    use_and_drop_a_context(&da);
+    use_and_drop_a_context(&db);
+    assert_eq!(release_pinned_cache(&da).unwrap(), 2);
+    assert_eq!(b.counters().live_host_allocs, 2, "b's blocks are b's");
+    assert_eq!(release_pinned_cache(&db).unwrap(), 2);
+    assert!(a.misuse().is_empty() && b.misuse().is_empty());
+}
+
+mod gpu {
+    use super::common::stall::Trigger;
+    use std::time::Duration;
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn a_teardown_returns_while_another_stream_is_held() {
+        let _serial = super::common::gpu_lock();
+        let d = super::common::cuda();
+        // The primary context's first state allocates; the measured one reuses nothing of it
+        // (its teardown shelves what it allocated: no `cuMemFreeHost`).
+        let late =
+            super::teardown_waited_for_a_held_stream(&d, Trigger::After(Duration::from_secs(2)));
+        assert!(!late, "the teardown waited for another stream's work");
+    }
+}
