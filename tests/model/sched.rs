@@ -25,6 +25,7 @@ mod hooked;
 pub use hooked::{Hook, Hooked};
 
 use cuda_stream_pool::__model_hooks as hooks;
+use std::cell::Cell;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -47,6 +48,12 @@ enum W {
     /// Stopped where it would block in the crate (a lock, a park, a condition variable).
     Waiting(&'static str),
     Done,
+}
+
+thread_local! {
+    /// The scheduler the thread is a worker of (its address), 0 if none: a filter before the
+    /// lock (the worker's slot is still looked up by its thread id).
+    static WORKER_OF: Cell<usize> = const { Cell::new(0) };
 }
 
 /// The most workers of one run.
@@ -169,6 +176,11 @@ impl Sched {
 
     /// The calling worker stops as `how` until it is granted a step.
     fn stop(&self, how: W) {
+        if WORKER_OF.with(Cell::get) != self as *const Sched as usize {
+            // Not a worker of this scheduler (the model's thread, the host-function thread,
+            // the poller): it passes through without the lock.
+            return;
+        }
         let me = std::thread::current().id();
         let mut st = self.lock();
         let Some(i) = st.workers.iter().position(|w| w.0 == Some(me)) else {
@@ -206,11 +218,13 @@ impl Sched {
     }
 
     fn register(&self, i: usize) {
+        WORKER_OF.with(|w| w.set(self as *const Sched as usize));
         let mut st = self.lock();
         st.workers[i] = (Some(std::thread::current().id()), W::Running);
     }
 
     fn done(&self) {
+        WORKER_OF.with(|w| w.set(0));
         let me = std::thread::current().id();
         let mut st = self.lock();
         if let Some(w) = st.workers.iter_mut().find(|w| w.0 == Some(me)) {
