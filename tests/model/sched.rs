@@ -25,6 +25,7 @@ mod hooked;
 pub use hooked::{Hook, Hooked};
 
 use cuda_stream_pool::__model_hooks as hooks;
+use std::cell::Cell;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -49,30 +50,72 @@ enum W {
     Done,
 }
 
+thread_local! {
+    /// The scheduler the thread is a worker of (its address), 0 if none: a filter before the
+    /// lock (the worker's slot is still looked up by its thread id).
+    static WORKER_OF: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The most workers of one run.
+const MAX_WORKERS: usize = 8;
+
 #[derive(Debug)]
 struct S {
     workers: Vec<(Option<ThreadId>, W)>,
-    grant: Option<ThreadId>,
+    /// The worker granted the next step, until it has taken it.
+    grant: Option<usize>,
     /// After a deadlock (or a hang), the hook stops blocking.
     free_run: bool,
+    /// Whether [`Sched::run`] is running (steps are granted only then).
+    running: bool,
+    choices: Vec<u8>,
+    /// Steps granted on the input's choices.
+    k: usize,
+    /// Grants in a row with every worker only waiting, and since when.
+    waits: usize,
+    waits_since: Instant,
+    /// When the last step was granted (the hang guard).
+    last_grant: Instant,
+    trace: bool,
+    /// How the run ended (for [`Sched::run`]).
+    outcome: Option<Result<usize, String>>,
 }
 
 /// The scheduler hook.
+///
+/// Steps are handed over directly: the worker that stops (or finishes) picks the next one
+/// and wakes only that one (each worker waits on its own condition variable), and keeps
+/// running without a thread switch when it picks itself; the model's thread only waits for the
+/// end. (A scheduler thread woken at every step, with one condition variable for all, cost
+/// several thread switches per driver call.)
 #[derive(Debug)]
 pub struct Sched {
     st: Mutex<S>,
-    cv: Condvar,
+    /// One per worker slot.
+    cvs: Vec<Condvar>,
+    /// The model's thread, waiting in [`Sched::run`].
+    main: Condvar,
 }
 
 impl Default for Sched {
     fn default() -> Self {
+        let now = Instant::now();
         Sched {
             st: Mutex::new(S {
                 workers: Vec::new(),
                 grant: None,
                 free_run: false,
+                running: false,
+                choices: Vec::new(),
+                k: 0,
+                waits: 0,
+                waits_since: now,
+                last_grant: now,
+                trace: false,
+                outcome: None,
             }),
-            cv: Condvar::new(),
+            cvs: (0..MAX_WORKERS).map(|_| Condvar::new()).collect(),
+            main: Condvar::new(),
         }
     }
 }
@@ -133,6 +176,11 @@ impl Sched {
 
     /// The calling worker stops as `how` until it is granted a step.
     fn stop(&self, how: W) {
+        if WORKER_OF.with(Cell::get) != self as *const Sched as usize {
+            // Not a worker of this scheduler (the model's thread, the host-function thread,
+            // the poller): it passes through without the lock.
+            return;
+        }
         let me = std::thread::current().id();
         let mut st = self.lock();
         let Some(i) = st.workers.iter().position(|w| w.0 == Some(me)) else {
@@ -142,48 +190,127 @@ impl Sched {
             return;
         }
         st.workers[i].1 = how;
-        self.cv.notify_all();
-        let mut st = self
-            .cv
-            .wait_while(st, |s| s.grant != Some(me) && !s.free_run)
-            .unwrap_or_else(|p| p.into_inner());
-        if st.grant == Some(me) {
+        self.decide(&mut st);
+        while st.grant != Some(i) && !st.free_run {
+            st = self.cvs[i].wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if st.grant == Some(i) {
             st.grant = None;
         }
         st.workers[i].1 = W::Running;
-        self.cv.notify_all();
+        if matches!(how, W::Waiting(_)) && st.waits > 0 {
+            // Every worker only waits (for a thread the scheduler does not stop): give the
+            // processor to that thread (this decides nothing: the turns are the same).
+            drop(st);
+            std::thread::yield_now();
+        }
     }
 
     /// Prepares `n` worker slots (before the workers start).
     pub fn begin(&self, n: usize) {
+        assert!(n <= MAX_WORKERS, "at most {MAX_WORKERS} workers");
         let mut st = self.lock();
         st.workers = vec![(None, W::Absent); n];
         st.grant = None;
         st.free_run = false;
+        st.running = false;
+        st.outcome = None;
     }
 
     fn register(&self, i: usize) {
+        WORKER_OF.with(|w| w.set(self as *const Sched as usize));
         let mut st = self.lock();
         st.workers[i] = (Some(std::thread::current().id()), W::Running);
-        self.cv.notify_all();
     }
 
     fn done(&self) {
+        WORKER_OF.with(|w| w.set(0));
         let me = std::thread::current().id();
         let mut st = self.lock();
         if let Some(w) = st.workers.iter_mut().find(|w| w.0 == Some(me)) {
             w.1 = W::Done;
         }
-        self.cv.notify_all();
+        self.decide(&mut st);
     }
 
-    fn give_up(&self, mut st: std::sync::MutexGuard<'_, S>, why: String) -> Result<usize, String> {
+    fn give_up(&self, st: &mut S, why: String) {
         st.free_run = true;
-        self.cv.notify_all();
-        Err(format!(
+        st.outcome = Some(Err(format!(
             "{why}: {:?}",
             st.workers.iter().map(|w| w.1).collect::<Vec<_>>()
-        ))
+        )));
+        for cv in &self.cvs {
+            cv.notify_all();
+        }
+        self.main.notify_all();
+    }
+
+    /// Once every worker is stopped or done (exactly one runs at a time, so this is called by
+    /// the one that ran the last step, as it stops or finishes, or by [`Sched::run`] as it
+    /// starts): grants the next step to a stopped worker picked with the next byte of the
+    /// choices (then in turn), or ends the run.
+    fn decide(&self, st: &mut S) {
+        if !st.running || st.free_run || st.outcome.is_some() || st.grant.is_some() {
+            return;
+        }
+        if st
+            .workers
+            .iter()
+            .any(|w| matches!(w.1, W::Running | W::Absent))
+        {
+            return;
+        }
+        if st.workers.iter().all(|w| w.1 == W::Done) {
+            st.outcome = Some(Ok(st.k));
+            self.main.notify_all();
+            return;
+        }
+        let stopped: Vec<usize> = (0..st.workers.len())
+            .filter(|&i| matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)))
+            .collect();
+        if stopped
+            .iter()
+            .all(|&i| matches!(st.workers[i].1, W::Waiting(_)))
+        {
+            if st.waits == 0 {
+                st.waits_since = Instant::now();
+            }
+            st.waits += 1;
+            if st.waits > DEADLOCK_ROUNDS && st.waits_since.elapsed() > DEADLOCK_AFTER {
+                let k = st.k;
+                self.give_up(
+                    st,
+                    format!("deadlock: after {k} steps every worker only waits"),
+                );
+                return;
+            }
+        } else {
+            st.waits = 0;
+        }
+        // While every worker only waits, they take turns and use no byte of the input (how
+        // many turns pass before a host function lands depends on the machine's speed;
+        // the input's choices must not).
+        if st.trace {
+            eprintln!(
+                "sched k={} waits={} {:?}",
+                st.k,
+                st.waits,
+                st.workers.iter().map(|w| w.1).collect::<Vec<_>>()
+            );
+        }
+        let pick = if st.waits > 0 {
+            stopped[st.waits % stopped.len()]
+        } else {
+            st.k += 1;
+            let k = st.k;
+            // Past the input's choices, the workers take turns (always the first could
+            // grant a worker waiting for a lock forever, never its holder).
+            let c = st.choices.get(k - 1).map_or(k, |&c| usize::from(c));
+            stopped[c % stopped.len()]
+        };
+        st.grant = Some(pick);
+        st.last_grant = Instant::now();
+        self.cvs[pick].notify_one();
     }
 
     /// Runs the registered workers to completion, one step at a time, picking at each step
@@ -191,79 +318,36 @@ impl Sched {
     /// Returns the number of steps, or a deadlock report.
     pub fn run(&self, choices: &[u8]) -> Result<usize, String> {
         let mut st = self.lock();
-        let mut k = 0;
-        let mut waits = 0usize;
-        let mut waits_since = Instant::now();
+        st.choices = choices.to_vec();
+        st.k = 0;
+        st.waits = 0;
+        st.last_grant = Instant::now();
+        st.trace = std::env::var_os("CSP_SCHED_TRACE").is_some();
+        st.running = true;
+        self.decide(&mut st);
         loop {
-            // Until every worker is stopped or done: exactly one runs at a time, so this is
-            // the one that was granted the last step (or the workers starting).
-            let (s, r) = self
-                .cv
-                .wait_timeout_while(st, HANG_AFTER, |s| {
-                    s.workers
-                        .iter()
-                        .any(|w| matches!(w.1, W::Running | W::Absent))
-                })
-                .unwrap_or_else(|p| p.into_inner());
-            st = s;
-            if r.timed_out() {
-                return self.give_up(
-                    st,
+            if let Some(outcome) = st.outcome.take() {
+                st.running = false;
+                return outcome;
+            }
+            // A worker that neither stops nor finishes: blocked outside the crate's locks.
+            let left = HANG_AFTER.saturating_sub(st.last_grant.elapsed());
+            if left.is_zero() {
+                let k = st.k;
+                self.give_up(
+                    &mut st,
                     format!(
                         "after {k} steps a worker neither stops at the scheduler nor finishes \
                          (blocked outside the crate's locks)"
                     ),
                 );
+                continue;
             }
-            if st.workers.iter().all(|w| w.1 == W::Done) {
-                return Ok(k);
-            }
-            let stopped: Vec<usize> = (0..st.workers.len())
-                .filter(|&i| matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)))
-                .collect();
-            if stopped
-                .iter()
-                .all(|&i| matches!(st.workers[i].1, W::Waiting(_)))
-            {
-                if waits == 0 {
-                    waits_since = Instant::now();
-                }
-                waits += 1;
-                if waits > DEADLOCK_ROUNDS && waits_since.elapsed() > DEADLOCK_AFTER {
-                    return self.give_up(
-                        st,
-                        format!("deadlock: after {k} steps every worker only waits"),
-                    );
-                }
-            } else {
-                waits = 0;
-            }
-            // While every worker only waits, they take turns and use no byte of the input (how
-            // many turns pass before a host function lands depends on the machine's speed;
-            // the input's choices must not).
-            if std::env::var_os("CSP_SCHED_TRACE").is_some() {
-                eprintln!(
-                    "sched k={k} waits={waits} {:?}",
-                    st.workers.iter().map(|w| w.1).collect::<Vec<_>>()
-                );
-            }
-            let pick = if waits > 0 {
-                stopped[waits % stopped.len()]
-            } else {
-                k += 1;
-                // Past the input's choices, the workers take turns (always the first could
-                // grant a worker waiting for a lock forever, never its holder).
-                let c = choices.get(k - 1).map_or(k, |&c| usize::from(c));
-                stopped[c % stopped.len()]
-            };
-            let tid = st.workers[pick].0;
-            st.grant = tid;
-            self.cv.notify_all();
-            // Until the worker has taken its grant.
             st = self
-                .cv
-                .wait_while(st, |s| s.grant.is_some() && !s.free_run)
-                .unwrap_or_else(|p| p.into_inner());
+                .main
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }

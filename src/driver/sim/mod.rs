@@ -179,6 +179,12 @@ struct State {
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
+    /// The busy streams `progress` must visit even before `next_due`, and why: every other busy
+    /// stream's first operation has started (or got its start time) and changes only with the
+    /// clock, no earlier than `next_due`.
+    watch: BTreeMap<u64, streams::Watch>,
+    /// The earliest time at which a busy stream outside `watch` can change.
+    next_due: u64,
     /// Host-mapped memory (hostmem.rs).
     host_mem: HostMem,
     /// Stream creations blocked right now ([`SimConfig::create_stall_at`]).
@@ -336,6 +342,8 @@ impl SimDriver {
                 host: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
+                watch: BTreeMap::new(),
+                next_due: u64::MAX,
                 host_mem: HostMem::default(),
                 blocked_creates: 0,
             }),
@@ -765,6 +773,7 @@ impl Driver for SimDriver {
         self.progress(&mut st);
         let s = st.streams.remove(&stream.0).unwrap();
         st.busy.remove(&stream.0);
+        st.watch.remove(&stream.0);
         if !s.queue.is_empty() {
             // The driver returns at once and finishes the work later; the crate must never do
             // this, so the simulation reports it (and completes the work's effects now).

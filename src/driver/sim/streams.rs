@@ -195,6 +195,16 @@ pub(super) fn run_host_fn(f: HostFn) {
     IN_HOST_FN.with(|c| c.set(false));
 }
 
+/// Why `progress` visits a busy stream before the clock reaches `State::next_due`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Watch {
+    /// At every visit: its first operation is new, waits for a host write, or is a host
+    /// function running.
+    Always,
+    /// Its first operation waits for an event's record: only after a record has completed.
+    Event,
+}
+
 /// A job of the host-function worker thread.
 pub(super) type HostJob = Box<dyn FnOnce() + Send + 'static>;
 
@@ -296,6 +306,9 @@ impl SimDriver {
         }
         let vc = Self::tick_stream(st, s.0);
         st.busy.insert(s.0);
+        // (Only a first operation matters to `progress`; watching a stream that has one
+        // already costs a visit, nothing else.)
+        st.watch.insert(s.0, Watch::Always);
         let stream = st.streams.get_mut(&s.0).expect("checked by the caller");
         stream.queue.push_back(Op {
             kind,
@@ -311,10 +324,27 @@ impl SimDriver {
     /// Completes every operation whose time has come, in stream order, following event waits.
     pub(super) fn progress(&self, st: &mut State) {
         let now = self.clock.now();
+        // Before `next_due` only the watched streams can change (see `State::watch`), and one
+        // whose first operation waits for an event only after a completion (an event's record
+        // completes only here): the others are skipped, which completes the same operations in
+        // the same order (a skipped stream would break at its first operation).
+        let all = now >= st.next_due;
+        if all {
+            st.next_due = u64::MAX;
+        }
+        let mut completed = false;
+        let mut any = false;
         loop {
             let mut changed = false;
-            let ids: Vec<u64> = st.busy.iter().copied().collect();
-            for id in ids {
+            let ids: Vec<(u64, Watch)> = if all {
+                st.busy.iter().map(|&id| (id, Watch::Always)).collect()
+            } else {
+                st.watch.iter().map(|(&id, &w)| (id, w)).collect()
+            };
+            for (id, why) in ids {
+                if why == Watch::Event && !completed {
+                    continue;
+                }
                 loop {
                     let (events, retired, streams, host_mem) = (
                         &st.events,
@@ -322,36 +352,49 @@ impl SimDriver {
                         &mut st.streams,
                         &st.host_mem,
                     );
-                    let s = streams.get_mut(&id).unwrap();
+                    let Some(s) = streams.get_mut(&id) else {
+                        // Destroyed (`busy` and `watch` lose it then).
+                        st.busy.remove(&id);
+                        st.watch.remove(&id);
+                        break;
+                    };
                     let free_at = s.free_at;
                     let Some(head) = s.queue.front_mut() else {
                         st.busy.remove(&id);
+                        st.watch.remove(&id);
                         break;
                     };
                     if head.start.is_none() {
-                        let eligible = match &head.kind {
-                            OpKind::Wait { event, seq } => {
+                        let (eligible, why) = match &head.kind {
+                            OpKind::Wait { event, seq } => (
                                 match events.get(event).or_else(|| retired.get(event)) {
                                     Some(e) if e.is_done(*seq) => Some(e.done_at),
                                     Some(_) => None,
                                     None => Some(now),
-                                }
-                            }
-                            OpKind::WaitValue { addr, value, cond } => {
+                                },
+                                Watch::Event,
+                            ),
+                            OpKind::WaitValue { addr, value, cond } => (
                                 Self::wait_passes(host_mem, *addr, *value, *cond)
-                                    .then_some(free_at.max(now))
-                            }
-                            _ => Some(free_at),
+                                    .then_some(free_at.max(now)),
+                                Watch::Always,
+                            ),
+                            _ => (Some(free_at), Watch::Always),
                         };
-                        let Some(t) = eligible else { break };
+                        let Some(t) = eligible else {
+                            st.watch.insert(id, why);
+                            break;
+                        };
                         head.start = Some(t.max(head.enq).max(free_at));
                     }
                     let start = head.start.unwrap();
                     if start > now {
+                        Self::settle(st, id, start);
                         break;
                     }
                     if let OpKind::Host { f, done } = &mut head.kind {
                         if let Some(f) = f.take() {
+                            any = true;
                             let done = done.clone();
                             let cv = self.cv.clone();
                             if st.host.is_none() {
@@ -371,25 +414,39 @@ impl SimDriver {
                             }
                         }
                         if !done.load(Ordering::Acquire) {
+                            // Running on the host-function thread: done at any time.
+                            st.watch.insert(id, Watch::Always);
                             break;
                         }
                         head.dur = now.saturating_sub(start);
                     }
                     let end = start.saturating_add(head.dur);
                     if end > now {
+                        Self::settle(st, id, end);
                         break;
                     }
                     let op = s.queue.pop_front().unwrap();
                     s.free_at = end;
                     changed = true;
+                    completed = true;
                     Self::complete(st, id, op, end);
                 }
             }
             if !changed {
                 break;
             }
+            any = true;
         }
-        self.cv.notify_all();
+        if any {
+            self.cv.notify_all();
+        }
+    }
+
+    /// A busy stream whose first operation has started, or got its start time (a host function
+    /// is sent to its thread only then), and changes next at `due` (in the future).
+    fn settle(st: &mut State, id: u64, due: u64) {
+        st.watch.remove(&id);
+        st.next_due = st.next_due.min(due);
     }
 
     /// Applies the effects of an operation that has completed (or that a destroyed stream
