@@ -33,7 +33,7 @@ const WAKE_LIMIT: Duration = Duration::from_secs(2);
 /// At most this many futures at once.
 const MAX_FUTS: usize = 16;
 /// Simulated time that completes every piece of work the model enqueues.
-const LONG: u64 = 1_000_000_000;
+pub(super) const LONG: u64 = 1_000_000_000;
 
 /// A waker that counts its wake-ups.
 #[derive(Default)]
@@ -511,11 +511,17 @@ impl Model {
             .map(|(_, s)| s.raw())
             .expect("checked above");
         let ctx = self.ctx().clone();
+        let (sim, other) = (self.sim.clone(), self.other);
         let t = std::thread::spawn(move || {
-            let mine = ctx.owner();
-            mine.set_priority(Priority::Value(key))?;
-            let raw = mine.stream()?.raw().0;
-            Ok::<u64, Error>(raw)
+            sim.set_thread_context(other);
+            let r = (|| {
+                let mine = ctx.owner();
+                mine.set_priority(Priority::Value(key))?;
+                let raw = mine.stream()?.raw().0;
+                Ok::<u64, Error>(raw)
+            })();
+            let (ctx, mode) = sim.thread_state();
+            (r, (ctx, mode, "a blocked acquisition"))
         });
         drop(o);
         let until = Instant::now() + WAKE_LIMIT;
@@ -532,7 +538,9 @@ impl Model {
             self.sim.advance(if busy { LONG } else { 0 });
             std::thread::sleep(Duration::from_micros(100));
         }
-        if let Ok(raw) = t.join().expect("the acquiring thread panicked") {
+        let (r, state) = t.join().expect("the acquiring thread panicked");
+        self.thread_states.push(state);
+        if let Ok(raw) = r {
             let held: HashSet<u64> = self.held_pairs().into_iter().map(|p| p.1).collect();
             assert!(
                 !held.contains(&raw),
