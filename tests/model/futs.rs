@@ -604,3 +604,107 @@ impl Model {
         }
     }
 }
+
+/// What a re-entrant waker does (once), and when.
+#[derive(Debug, Clone, Copy)]
+pub enum Reenter {
+    /// `Context::trim`.
+    Trim,
+    /// Drops one of the model's buffers (given to the waker).
+    DropBuffer(usize),
+}
+
+/// When a re-entrant waker runs its action: at a wake, at a clone, or at a drop of a clone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    Wake,
+    Clone,
+    Drop,
+}
+
+/// A waker that counts its wake-ups and runs user code that re-enters the crate once.
+struct Reentrant {
+    count: Arc<Count>,
+    at: At,
+    action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Reentrant {
+    fn fire(&self, now: At) {
+        if now == self.at {
+            let f = self.action.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(f) = f {
+                f();
+            }
+        }
+    }
+
+    fn waker(self: Arc<Self>) -> Waker {
+        use std::task::{RawWaker, RawWakerVTable};
+        unsafe fn clone(p: *const ()) -> RawWaker {
+            // SAFETY: `p` is a reference count of an `Arc<Reentrant>` (made below or here).
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            let b = a.clone();
+            std::mem::forget(a);
+            b.fire(At::Clone);
+            RawWaker::new(Arc::into_raw(b) as *const (), &VTABLE)
+        }
+        unsafe fn wake(p: *const ()) {
+            // SAFETY: as in `clone`; this consumes the waker's count.
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            a.count.0.fetch_add(1, Ordering::SeqCst);
+            a.fire(At::Wake);
+            a.fire(At::Drop);
+        }
+        unsafe fn wake_by_ref(p: *const ()) {
+            // SAFETY: as in `clone`; borrowed, not consumed.
+            let a = unsafe { &*(p as *const Reentrant) };
+            a.count.0.fetch_add(1, Ordering::SeqCst);
+            a.fire(At::Wake);
+        }
+        unsafe fn drop_raw(p: *const ()) {
+            // SAFETY: as in `clone`; this consumes the waker's count.
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            a.fire(At::Drop);
+        }
+        static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake_by_ref, drop_raw);
+        let raw = RawWaker::new(Arc::into_raw(self) as *const (), &VTABLE);
+        // SAFETY: the vtable's functions keep the contract of `RawWakerVTable`: each clone is a
+        // new reference count of the `Arc`, wake and drop consume one, wake_by_ref none; the
+        // data is `Send + Sync`.
+        unsafe { Waker::from_raw(raw) }
+    }
+}
+
+impl Model {
+    /// Polls future `fut` with a waker whose wake, clone or drop re-enters the crate (once).
+    pub(super) fn reentrant_poll(&mut self, fut: usize, action: Reenter, at: At) {
+        let Some(i) = pick(&self.futs, fut) else {
+            return;
+        };
+        let ctx = self.ctx().clone();
+        let f: Box<dyn FnOnce() + Send> = match action {
+            Reenter::Trim => Box::new(move || {
+                let _ = ctx.trim();
+            }),
+            Reenter::DropBuffer(j) => {
+                let Some(j) = pick(&self.bufs, j) else {
+                    return;
+                };
+                let b = self.bufs.swap_remove(j).b;
+                Box::new(move || drop(b))
+            }
+        };
+        let count = Arc::new(Count::default());
+        let r = Arc::new(Reentrant {
+            count: count.clone(),
+            at,
+            action: std::sync::Mutex::new(Some(f)),
+        });
+        let f = &mut self.futs[i];
+        f.wakes = count;
+        f.waker = r.waker();
+        f.pending_at = None;
+        self.poll(i, false);
+    }
+}

@@ -24,6 +24,8 @@ use cuda_stream_pool::{
     OwnedStream, Owner, Priority, StreamRef, MAX_IDLE,
 };
 use futs::Fut;
+#[allow(unused_imports)]
+pub use futs::{At, Reenter};
 use sched::{Hooked, Sched};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -187,6 +189,14 @@ pub enum Op {
         p: i32,
         extra: usize,
     },
+    /// Polls one of the model's futures with a waker whose wake, clone or drop (`at`) re-enters
+    /// the crate once (`Context::trim`, or drops a buffer given to it): a deadlock or a panic is
+    /// a finding.
+    ReentrantPoll {
+        fut: usize,
+        action: futs::Reenter,
+        at: futs::At,
+    },
 }
 
 /// A step of a worker thread in [`Op::Par`]; it works on its own owner's stream.
@@ -270,9 +280,10 @@ fn decode_wop(u: &mut Unstructured<'_>) -> arbitrary::Result<WOp> {
 /// which decoded a concurrent step like 30 before): new ones are appended at the end, so that
 /// inputs keep their meaning.
 fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
-    // 16 codes from the start, so that operations added later take free codes without
-    // changing what the codes in use decode to; the free ones repeat the assigned ones.
-    Ok(match u.int_in_range(0..=15u8)? % 4 {
+    // 16 codes from the start: the codes above the assigned ones repeat them (`c % 5`); an
+    // operation added later takes one of those (from 15 down), with an arm of its own before
+    // this match, which changes the meaning of that code only.
+    Ok(match u.int_in_range(0..=15u8)? % 5 {
         0 => Op::ForeignCapture {
             mode: [
                 CaptureMode::Global,
@@ -288,9 +299,17 @@ fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
             ns: u.int_in_range(0..=10_000u64)?,
             drop_now: u.arbitrary()?,
         },
-        _ => Op::ManyOwners {
+        3 => Op::ManyOwners {
             p: u.int_in_range(-5..=0i32)?,
             extra: u.int_in_range(1..=4usize)?,
+        },
+        _ => Op::ReentrantPoll {
+            fut: idx(u)?,
+            // (`Reenter::Trim` is left out for now: a trim run by the poller thread races the
+            // model's checks of the pool's counters against its lists, which hold only at a
+            // quiescent point.)
+            action: futs::Reenter::DropBuffer(idx(u)?),
+            at: [futs::At::Wake, futs::At::Clone, futs::At::Drop][u.int_in_range(0..=2usize)?],
         },
     })
 }
@@ -1323,6 +1342,7 @@ impl Model {
                 drop_now,
             } => self.leak_use(buffer, holder, write, ns, drop_now),
             &Op::ManyOwners { p, extra } => self.many_owners(p, extra),
+            &Op::ReentrantPoll { fut, action, at } => self.reentrant_poll(fut, action, at),
         }
         self.sync_holdings();
         self.check(acquired);
