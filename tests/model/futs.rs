@@ -49,6 +49,17 @@ impl Wake for Count {
     }
 }
 
+/// `CSP_MODEL_POLL_PAUSE_US`: a pause after every poll that returns `Pending` (none without it).
+fn poll_pause() -> Option<Duration> {
+    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *PAUSE.get_or_init(|| {
+        std::env::var("CSP_MODEL_POLL_PAUSE_US")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Duration::from_micros)
+    })
+}
+
 /// What a completion must come after.
 pub(super) struct Cover {
     /// The stream it was made on.
@@ -110,7 +121,7 @@ pub(super) struct Fut {
     kind: Kind,
     wakes: Arc<Count>,
     waker: Waker,
-    /// The wake count when its last poll returned `Pending`.
+    /// The wake count when its last poll that returned `Pending` began.
     pending_at: Option<usize>,
 }
 
@@ -328,6 +339,13 @@ impl Model {
         let waker = f.waker.clone();
         let mut cx = TaskCx::from_waker(&waker);
         let mut earlier = Vec::new();
+        // The wake count before the poll: a wake-up that lands during the poll or right after
+        // it (the poller and the host-function thread run in real time) is one the executor
+        // must act on, as the `Future` contract says, so it counts as a wake-up of this
+        // `Pending`. (Read after the poll, the model once took such a wake-up for an earlier
+        // one and waited for another that nothing owed it: "polled Pending was not woken",
+        // about one corpus replay in five under load.)
+        let before = f.woken();
         let pending = match &mut f.kind {
             Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
                 Poll::Pending => true,
@@ -424,7 +442,12 @@ impl Model {
             },
         };
         if pending {
-            f.pending_at = Some(f.woken());
+            // `CSP_MODEL_POLL_PAUSE_US=N` pauses here (widening the window in which a wake-up
+            // lands after the poll), to check that the wake-up checks hold whatever the timing.
+            if let Some(pause) = poll_pause() {
+                std::thread::sleep(pause);
+            }
+            f.pending_at = Some(before);
             self.futs.insert(i, f);
         }
         for j in earlier {
