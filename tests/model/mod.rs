@@ -14,6 +14,7 @@
 
 mod foreign;
 mod futs;
+mod loans;
 mod sched;
 
 use arbitrary::Unstructured;
@@ -189,6 +190,19 @@ pub enum Op {
         p: i32,
         extra: usize,
     },
+    /// Lends owner `owner`'s stream (taking it first if it has none) as another crate's handle
+    /// (`StreamRef::lend`); the model's borrower keeps it until [`Op::EndLoan`] or past the
+    /// `Context` to the teardown (see `tests/model/loans.rs`). Only without a cap.
+    Lend {
+        owner: usize,
+    },
+    /// The borrower of loan `loan` enqueues `ns` of its own work on the lent stream.
+    LoanWork {
+        loan: usize,
+        ns: u64,
+    },
+    /// The borrower drops its handle: the loan ends.
+    EndLoan(usize),
     /// Polls one of the model's futures with a waker whose wake, clone or drop (`at`) re-enters
     /// the crate once (`Context::trim`, or drops a buffer given to it): a deadlock or a panic is
     /// a finding.
@@ -298,10 +312,23 @@ fn is_ext(b: u8, u: &Unstructured<'_>, leaks: bool) -> bool {
 /// The operations added after the corpus was recorded (see [`is_ext`]): new ones take free
 /// codes, so that inputs keep their meaning.
 fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
-    // 16 codes from the start: the codes above the assigned ones repeat them (`c % 5`); an
-    // operation added later takes one of those (from 15 down), with an arm of its own before
-    // this match, which changes the meaning of that code only.
-    Ok(match u.int_in_range(0..=15u8)? % 5 {
+    // 16 codes from the start: codes 0 to 4 were assigned first and 5 to 12 repeat them
+    // (`c % 5`); operations added later take codes from 15 down (the loans took 15 to 13),
+    // each with an arm of its own here, which changes the meaning of that code only.
+    Ok(match u.int_in_range(0..=15u8)? {
+        15 => Op::Lend { owner: idx(u)? },
+        14 => Op::LoanWork {
+            loan: idx(u)?,
+            ns: u.int_in_range(0..=10_000u64)?,
+        },
+        13 => Op::EndLoan(idx(u)?),
+        c => decode_ext_first(c % 5, u)?,
+    })
+}
+
+/// The first operations of [`decode_ext`] (codes 0 to 4, repeated up to 12).
+fn decode_ext_first(c: u8, u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
+    Ok(match c {
         0 => Op::ForeignCapture {
             mode: [
                 CaptureMode::Global,
@@ -662,6 +689,11 @@ pub struct Model {
     leaked_uses: Vec<Arc<DeviceBuffer<u32>>>,
     /// Whether a `BufferUse` was leaked (a graph may keep its buffer, locked for ever).
     use_leaked: bool,
+    /// The borrower's live loans.
+    loans: Vec<loans::Loan>,
+    /// Streams lent and not yet seen back (held by another owner than their lender), with
+    /// their lender's id.
+    lent_ever: HashMap<u64, u64>,
     /// The context's cap on live streams per key.
     cap: Option<usize>,
     /// Join order of `Owner::ready` futures (first poll that returned `Pending`).
@@ -749,6 +781,8 @@ impl Model {
             injected_seen: 0,
             leaked_uses: Vec::new(),
             use_leaked: false,
+            loans: Vec::new(),
+            lent_ever: HashMap::new(),
             cap,
             joins: 0,
             nheld: HashMap::new(),
@@ -1366,9 +1400,13 @@ impl Model {
             } => self.leak_use(buffer, holder, write, ns, drop_now),
             &Op::ManyOwners { p, extra } => self.many_owners(p, extra),
             &Op::ReentrantPoll { fut, action, at } => self.reentrant_poll(fut, action, at),
+            &Op::Lend { owner } => acquired = self.lend(owner),
+            &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
+            &Op::EndLoan(k) => self.end_loan(k),
         }
         self.sync_holdings();
         self.check(acquired);
+        self.loans_seen_back();
         // (After the checks: their statistics readings call the driver too.)
         self.check_thread_states();
     }
@@ -1452,6 +1490,7 @@ impl Model {
                 Ok((out, state)) => {
                     self.thread_states.push(state);
                     for raw in out.held {
+                        self.check_not_lent(raw);
                         *self.gens.entry(raw).or_insert(0) += 1;
                     }
                     for b in out.new_bufs {
@@ -1520,11 +1559,13 @@ impl Model {
             st.in_use + st.idle + st.retired_busy + st.handed,
             "{st:?}"
         );
+        // (`in_use` counts lent streams whose owner is gone too.)
         assert_eq!(
             st.in_use as usize,
-            seen.len(),
+            seen.len() + st.lent as usize,
             "owners' streams vs in_use: {st:?}"
         );
+        self.check_loans(&st);
         if after_search {
             // (Per key: the bound is the key's; `Op::ManyOwners` retires more than it of one.)
             for p in -5..=0 {
@@ -1607,6 +1648,7 @@ impl Model {
         self.owned.clear();
         self.kernels = None;
         self.ctx = None;
+        self.end_loans_after_the_context();
         assert_thread_state(&self.sim, self.other, "the teardown");
         // SAFETY: the model's retain of device 1's primary context, released once.
         unsafe {
