@@ -33,7 +33,7 @@ const WAKE_LIMIT: Duration = Duration::from_secs(2);
 /// At most this many futures at once.
 const MAX_FUTS: usize = 16;
 /// Simulated time that completes every piece of work the model enqueues.
-const LONG: u64 = 1_000_000_000;
+pub(super) const LONG: u64 = 1_000_000_000;
 
 /// A waker that counts its wake-ups.
 #[derive(Default)]
@@ -47,6 +47,17 @@ impl Wake for Count {
     fn wake_by_ref(self: &Arc<Self>) {
         self.0.fetch_add(1, Ordering::SeqCst);
     }
+}
+
+/// `CSP_MODEL_POLL_PAUSE_US`: a pause after every poll that returns `Pending` (none without it).
+fn poll_pause() -> Option<Duration> {
+    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *PAUSE.get_or_init(|| {
+        std::env::var("CSP_MODEL_POLL_PAUSE_US")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Duration::from_micros)
+    })
 }
 
 /// What a completion must come after.
@@ -110,7 +121,7 @@ pub(super) struct Fut {
     kind: Kind,
     wakes: Arc<Count>,
     waker: Waker,
-    /// The wake count when its last poll returned `Pending`.
+    /// The wake count when its last poll that returned `Pending` began.
     pending_at: Option<usize>,
 }
 
@@ -328,6 +339,13 @@ impl Model {
         let waker = f.waker.clone();
         let mut cx = TaskCx::from_waker(&waker);
         let mut earlier = Vec::new();
+        // The wake count before the poll: a wake-up that lands during the poll or right after
+        // it (the poller and the host-function thread run in real time) is one the executor
+        // must act on, as the `Future` contract says, so it counts as a wake-up of this
+        // `Pending`. (Read after the poll, the model once took such a wake-up for an earlier
+        // one and waited for another that nothing owed it: "polled Pending was not woken",
+        // about one corpus replay in five under load.)
+        let before = f.woken();
         let pending = match &mut f.kind {
             Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
                 Poll::Pending => true,
@@ -424,7 +442,12 @@ impl Model {
             },
         };
         if pending {
-            f.pending_at = Some(f.woken());
+            // `CSP_MODEL_POLL_PAUSE_US=N` pauses here (widening the window in which a wake-up
+            // lands after the poll), to check that the wake-up checks hold whatever the timing.
+            if let Some(pause) = poll_pause() {
+                std::thread::sleep(pause);
+            }
+            f.pending_at = Some(before);
             self.futs.insert(i, f);
         }
         for j in earlier {
@@ -511,11 +534,17 @@ impl Model {
             .map(|(_, s)| s.raw())
             .expect("checked above");
         let ctx = self.ctx().clone();
+        let (sim, other) = (self.sim.clone(), self.other);
         let t = std::thread::spawn(move || {
-            let mine = ctx.owner();
-            mine.set_priority(Priority::Value(key))?;
-            let raw = mine.stream()?.raw().0;
-            Ok::<u64, Error>(raw)
+            sim.set_thread_context(other);
+            let r = (|| {
+                let mine = ctx.owner();
+                mine.set_priority(Priority::Value(key))?;
+                let raw = mine.stream()?.raw().0;
+                Ok::<u64, Error>(raw)
+            })();
+            let (ctx, mode) = sim.thread_state();
+            (r, (ctx, mode, "a blocked acquisition"))
         });
         drop(o);
         let until = Instant::now() + WAKE_LIMIT;
@@ -532,7 +561,9 @@ impl Model {
             self.sim.advance(if busy { LONG } else { 0 });
             std::thread::sleep(Duration::from_micros(100));
         }
-        if let Ok(raw) = t.join().expect("the acquiring thread panicked") {
+        let (r, state) = t.join().expect("the acquiring thread panicked");
+        self.thread_states.push(state);
+        if let Ok(raw) = r {
             let held: HashSet<u64> = self.held_pairs().into_iter().map(|p| p.1).collect();
             assert!(
                 !held.contains(&raw),
@@ -594,5 +625,109 @@ impl Model {
                 }
             }
         }
+    }
+}
+
+/// What a re-entrant waker does (once), and when.
+#[derive(Debug, Clone, Copy)]
+pub enum Reenter {
+    /// `Context::trim`.
+    Trim,
+    /// Drops one of the model's buffers (given to the waker).
+    DropBuffer(usize),
+}
+
+/// When a re-entrant waker runs its action: at a wake, at a clone, or at a drop of a clone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    Wake,
+    Clone,
+    Drop,
+}
+
+/// A waker that counts its wake-ups and runs user code that re-enters the crate once.
+struct Reentrant {
+    count: Arc<Count>,
+    at: At,
+    action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Reentrant {
+    fn fire(&self, now: At) {
+        if now == self.at {
+            let f = self.action.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(f) = f {
+                f();
+            }
+        }
+    }
+
+    fn waker(self: Arc<Self>) -> Waker {
+        use std::task::{RawWaker, RawWakerVTable};
+        unsafe fn clone(p: *const ()) -> RawWaker {
+            // SAFETY: `p` is a reference count of an `Arc<Reentrant>` (made below or here).
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            let b = a.clone();
+            std::mem::forget(a);
+            b.fire(At::Clone);
+            RawWaker::new(Arc::into_raw(b) as *const (), &VTABLE)
+        }
+        unsafe fn wake(p: *const ()) {
+            // SAFETY: as in `clone`; this consumes the waker's count.
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            a.count.0.fetch_add(1, Ordering::SeqCst);
+            a.fire(At::Wake);
+            a.fire(At::Drop);
+        }
+        unsafe fn wake_by_ref(p: *const ()) {
+            // SAFETY: as in `clone`; borrowed, not consumed.
+            let a = unsafe { &*(p as *const Reentrant) };
+            a.count.0.fetch_add(1, Ordering::SeqCst);
+            a.fire(At::Wake);
+        }
+        unsafe fn drop_raw(p: *const ()) {
+            // SAFETY: as in `clone`; this consumes the waker's count.
+            let a = unsafe { Arc::from_raw(p as *const Reentrant) };
+            a.fire(At::Drop);
+        }
+        static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake_by_ref, drop_raw);
+        let raw = RawWaker::new(Arc::into_raw(self) as *const (), &VTABLE);
+        // SAFETY: the vtable's functions keep the contract of `RawWakerVTable`: each clone is a
+        // new reference count of the `Arc`, wake and drop consume one, wake_by_ref none; the
+        // data is `Send + Sync`.
+        unsafe { Waker::from_raw(raw) }
+    }
+}
+
+impl Model {
+    /// Polls future `fut` with a waker whose wake, clone or drop re-enters the crate (once).
+    pub(super) fn reentrant_poll(&mut self, fut: usize, action: Reenter, at: At) {
+        let Some(i) = pick(&self.futs, fut) else {
+            return;
+        };
+        let ctx = self.ctx().clone();
+        let f: Box<dyn FnOnce() + Send> = match action {
+            Reenter::Trim => Box::new(move || {
+                let _ = ctx.trim();
+            }),
+            Reenter::DropBuffer(j) => {
+                let Some(j) = pick(&self.bufs, j) else {
+                    return;
+                };
+                let b = self.bufs.swap_remove(j).b;
+                Box::new(move || drop(b))
+            }
+        };
+        let count = Arc::new(Count::default());
+        let r = Arc::new(Reentrant {
+            count: count.clone(),
+            at,
+            action: std::sync::Mutex::new(Some(f)),
+        });
+        let f = &mut self.futs[i];
+        f.wakes = count;
+        f.waker = r.waker();
+        f.pending_at = None;
+        self.poll(i, false);
     }
 }

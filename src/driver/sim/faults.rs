@@ -77,7 +77,10 @@ impl SimDriver {
             });
         }
         match fail {
-            Some(code) => Err(err(code, name)),
+            Some(code) => {
+                st.injected.push(name);
+                Err(err(code, name))
+            }
             None => Ok(st),
         }
     }
@@ -215,6 +218,20 @@ impl SimDriver {
     /// ```
     pub fn set_logging(&self, on: bool) {
         self.lock().log = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// The entry points of the calls that injected faults failed so far, in order.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// # use cuda_stream_pool::ErrorCode;
+    /// let sim = SimDriver::new();
+    /// sim.fail_nth_call(1, ErrorCode::ERROR_UNKNOWN);
+    /// assert!(sim.device_count().is_err());
+    /// assert_eq!(sim.injected_failures(), vec!["cuDeviceGetCount"]);
+    /// ```
+    pub fn injected_failures(&self) -> Vec<&'static str> {
+        self.lock().injected.clone()
     }
 
     /// The number of driver calls made so far.

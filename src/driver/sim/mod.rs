@@ -164,6 +164,8 @@ struct State {
     unrelaxed: Vec<String>,
     /// Calls that wait for every stream of the device, made while a stream had work pending.
     device_waits: Vec<String>,
+    /// The calls that injected faults failed (`SimDriver::injected_failures`).
+    injected: Vec<&'static str>,
     counters: SimCounters,
     capture_seq: u64,
     /// Live captures by id.
@@ -333,6 +335,7 @@ impl SimDriver {
                 misuse: Vec::new(),
                 unrelaxed: Vec::new(),
                 device_waits: Vec::new(),
+                injected: Vec::new(),
                 counters: SimCounters::default(),
                 capture_seq: 0,
                 captures: HashMap::new(),
@@ -490,6 +493,46 @@ impl SimDriver {
             let note = format!("{call} while stream(s) {busy:?} had work pending");
             st.device_waits.push(note);
         }
+    }
+
+    /// The calling thread's current context and capture mode, read without a driver call (a
+    /// test control: it counts as no call and no injected fault hits it), for checking that an
+    /// operation left the caller's thread state as it found it.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{CaptureMode, Context, Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// let before = sim.call_count();
+    /// assert_eq!(sim.thread_state(), (Context(0), CaptureMode::Global));
+    /// assert_eq!(sim.call_count(), before);
+    /// ```
+    pub fn thread_state(&self) -> (Context, CaptureMode) {
+        let t = self.thread();
+        (Context(t.ctx), t.mode)
+    }
+
+    /// Makes `ctx` current on the calling thread without a driver call (a test control, see
+    /// [`SimDriver::thread_state`]); `ctx` must be a context of this simulation (or null).
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.init().unwrap();
+    /// let c = sim.primary_ctx_retain(sim.device_get(0).unwrap()).unwrap();
+    /// sim.set_thread_context(c);
+    /// assert_eq!(sim.ctx_get_current().unwrap(), c);
+    /// ```
+    pub fn set_thread_context(&self, ctx: Context) {
+        self.set_thread(|t| t.ctx = ctx.0);
+    }
+
+    /// Sets the calling thread's current context and capture mode without a driver call (a test
+    /// control, see [`SimDriver::thread_state`]).
+    pub fn set_thread_state(&self, ctx: Context, mode: CaptureMode) {
+        self.set_thread(|t| {
+            t.ctx = ctx.0;
+            t.mode = mode;
+        });
     }
 
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
