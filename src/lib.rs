@@ -142,6 +142,16 @@
 //!   any stream of the context captures (any thread, any mode) it fails and invalidates that
 //!   capture, relaxed mode or not (measured on the H200). The crate itself never synchronizes a
 //!   context; synchronize streams instead.
+//! * No call of the crate waits for other streams' work unless you asked for a wait. On the
+//!   H200 `cuCtxSynchronize`, `cuMemFreeHost`, `cuModuleLoadData` and `cuModuleUnload` wait for
+//!   every stream of the device while holding a lock of the driver that every other thread's
+//!   call in the context needs: in a process where a stream waits for a flag that the host
+//!   writes after its next driver call, such a call deadlocks it. So a context's teardown never
+//!   frees its page-locked memory (completion flags, staging blocks): it keeps it for the
+//!   context's next state, with the primary context retained, until
+//!   [`release_pinned_cache`]. Exceptions: the teardown of an adopted context that is not the
+//!   primary one frees it; `kernels::Kernels` (the demo's kernels) loads its module on first
+//!   use in a context and unloads it at the teardown.
 //! * A leaked (`mem::forget`) [`CaptureGuard`] leaves its stream captured: the pool never hands it
 //!   out or destroys it, and frees ordered on it stay pending. A leaked [`BufferUse`] is still a
 //!   use (the free orders after it) and keeps the buffer's use lock: other threads' uses of that
