@@ -15,6 +15,7 @@ LAYERS = [
     "error",       # Error, ErrorCode
     "driver",      # the Driver trait, the real and simulated drivers, the device rules
     "hostfn",      # the crate's host-function threads
+    "pinned",      # page-locked host memory kept for a context's next state
     "pool",        # streams, slots, shards, the cap's gate
     "context",     # the registry: options, pools, teardown
     "stream",      # StreamRef, OwnedStream
