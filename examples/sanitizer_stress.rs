@@ -1636,11 +1636,10 @@ pub fn run(cfg: &Config) -> R<Summary> {
         // Nothing of the shared context nor of the short-lived ones is left (some teardowns
         // run on a thread of their own, or at a later call: wait for them).
         let t = Instant::now();
-        let drv: Arc<dyn Driver> = sim.clone();
         loop {
             // The page-locked memory that the teardowns kept for later states of the context
             // (they never free it: see `release_pinned_cache`).
-            cuda_stream_pool::release_pinned_cache(&drv).at("release_pinned_cache")?;
+            cuda_stream_pool::release_pinned_cache(&**sim).at("release_pinned_cache")?;
             let cn = sim.counters();
             let left = (
                 cn.live_contexts,

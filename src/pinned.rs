@@ -73,8 +73,12 @@ fn shelves() -> MutexGuard<'static, Vec<Shelf>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-fn same(a: &Arc<dyn Driver>, b: &Arc<dyn Driver>) -> bool {
-    std::ptr::eq(Arc::as_ptr(a) as *const (), Arc::as_ptr(b) as *const ())
+/// Whether `a` is the driver `b` (by address: the shelf keeps `a` alive, so it is unique).
+fn same(a: &Arc<dyn Driver>, b: &dyn Driver) -> bool {
+    std::ptr::eq(
+        Arc::as_ptr(a) as *const (),
+        b as *const dyn Driver as *const (),
+    )
 }
 
 /// A shelved block of `home`'s context with this size and flags, if there is one.
@@ -82,7 +86,7 @@ pub(crate) fn take(home: &Home, bytes: usize, flags: u32) -> Option<Block> {
     let mut sh = shelves();
     let shelf = sh
         .iter_mut()
-        .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)?;
+        .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)?;
     let i = shelf
         .blocks
         .iter()
@@ -103,7 +107,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
         let mut sh = shelves();
         if let Some(s) = sh
             .iter_mut()
-            .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)
+            .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)
         {
             s.blocks.extend(blocks);
             return Vec::new();
@@ -124,7 +128,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
     let mut sh = shelves();
     if let Some(s) = sh
         .iter_mut()
-        .find(|s| same(&s.inner, &home.inner) && s.ctx == home.ctx)
+        .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)
     {
         // Another teardown made the shelf meanwhile: one retain is enough.
         s.blocks.extend(blocks);
@@ -154,7 +158,8 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 
 /// Frees the page-locked host memory that the crate keeps for reuse by later states of
 /// `driver`'s primary contexts (completion flags and staging blocks of torn-down states), and
-/// releases the primary contexts it kept for it. Returns how many blocks it freed.
+/// releases the primary contexts it kept for it (`driver` is the one the contexts were made
+/// with: the same object, by address). Returns how many blocks it freed.
 ///
 /// The crate never frees that memory on its own: `cuMemFreeHost` waits for the work of every
 /// stream of the device, holding a lock of the driver that other threads' calls need, so a
@@ -177,14 +182,14 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 /// drop((done, s));
 /// drop((owner, ctx));
 /// assert_eq!(sim.counters().live_host_allocs, 1); // kept for the context's next state
-/// assert_eq!(release_pinned_cache(&drv).unwrap(), 1);
+/// assert_eq!(release_pinned_cache(&*sim).unwrap(), 1);
 /// assert_eq!(sim.counters().live_host_allocs, 0);
 /// assert_eq!(sim.counters().live_contexts, 0);
 /// ```
 ///
 /// # Errors
 /// The first failure of a free or a release (the others are still made).
-pub fn release_pinned_cache(driver: &Arc<dyn Driver>) -> Result<usize> {
+pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
     let mine: Vec<Shelf> = {
         let mut sh = shelves();
         let (mine, rest) = std::mem::take(&mut *sh)

@@ -65,7 +65,7 @@ fn a_teardown_makes_no_call_that_waits_for_other_streams() {
         teardown_waited_for_a_held_stream(&d, Trigger::After(std::time::Duration::from_millis(20)));
     assert!(!late, "the simulation never blocks");
     assert_eq!(sim.device_waits(), Vec::<String>::new());
-    release_pinned_cache(&d).unwrap();
+    release_pinned_cache(&*d).unwrap();
     let c = sim.counters();
     assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
@@ -82,13 +82,13 @@ fn later_states_of_a_context_reuse_its_page_locked_memory() {
         use_and_drop_a_context(&d);
     }
     assert_eq!(sim.counters().live_host_allocs, kept);
-    assert_eq!(release_pinned_cache(&d).unwrap(), 2);
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 2);
     let c = sim.counters();
     assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
     // Nothing is left to release, and a new state allocates again.
-    assert_eq!(release_pinned_cache(&d).unwrap(), 0);
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 0);
     use_and_drop_a_context(&d);
-    assert_eq!(release_pinned_cache(&d).unwrap(), 2);
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 2);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
@@ -98,9 +98,9 @@ fn the_shelf_is_per_driver() {
     let (da, db): (Arc<dyn Driver>, Arc<dyn Driver>) = (a.clone(), b.clone());
     use_and_drop_a_context(&da);
     use_and_drop_a_context(&db);
-    assert_eq!(release_pinned_cache(&da).unwrap(), 2);
+    assert_eq!(release_pinned_cache(&*da).unwrap(), 2);
     assert_eq!(b.counters().live_host_allocs, 2, "b's blocks are b's");
-    assert_eq!(release_pinned_cache(&db).unwrap(), 2);
+    assert_eq!(release_pinned_cache(&*db).unwrap(), 2);
     assert!(a.misuse().is_empty() && b.misuse().is_empty());
 }
 

@@ -5,7 +5,7 @@
 //!
 //! Measured on the H200 (2026-12-02): `cuCtxSynchronize`, `cuMemFreeHost`, `cuModuleLoadData`
 //! and `cuModuleUnload` wait; the other calls listed return. The simulation notes the four in
-//! [`SimDriver::device_waits`] when a stream is busy, without waiting.
+//! `SimDriver::device_waits` when a stream is busy, without waiting.
 //!
 //! Such a call is a deadlock waiting to happen in a process where a stream waits for the host
 //! (a flag a thread writes after its next driver call, as NCCL's proxies and this crate's stress
@@ -18,7 +18,7 @@ mod common;
 
 use common::stall::{with_watchdog, HostWord, Trigger};
 use common::Env;
-use cuda_stream_pool::driver::{host_alloc_flags, stream_flags, Driver, SimDriver, Stream};
+use cuda_stream_pool::driver::{host_alloc_flags, stream_flags, Driver, Stream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

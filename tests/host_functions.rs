@@ -34,6 +34,7 @@ fn thread_owner_calls_in_a_host_function_are_refused_and_leak_nothing() {
         "(stream, with_thread_owner, set_priority) in a host function"
     );
     drop(ctx);
+    cuda_stream_pool::release_pinned_cache(&*sim).unwrap();
     let c = sim.counters();
     assert_eq!(
         c.live_contexts, 0,
