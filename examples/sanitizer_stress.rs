@@ -36,7 +36,10 @@
 //!
 //! Arguments: `--threads N` (16), `--iters N` (iterations per thread: 150 on the GPU, 200 on
 //! the simulation), `--cap N` (3), `--seed N`, `--sim` (the simulated driver even with a GPU),
-//! `--gpu` (fail when there is no GPU instead of falling back to the simulation).
+//! `--gpu` (fail when there is no GPU instead of falling back to the simulation),
+//! `--watchdog SECS` (0: off; after that long without a finished operation, print what every
+//! worker does and exit with status 3; with `CSP_STRESS_STACKS=1` also every thread's stack),
+//! `--prewarm N` (1,024: streams created and destroyed first on the GPU, see `prewarm`).
 //! `tests/sanitizer_stress.rs` runs the same program on the simulated driver.
 
 use cuda_stream_pool::driver::{self, stream_flags, CaptureMode, Driver, SimDriver};
