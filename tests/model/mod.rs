@@ -1679,7 +1679,7 @@ impl Model {
             self.sim.advance(1_000_000_000);
             // What the teardowns kept for the context's next state is released first (see
             // `release_pinned_cache`); only what is left after it is a leak.
-            cuda_stream_pool::release_pinned_cache(&*self.sim).unwrap();
+            cuda_stream_pool::release_pinned_cache(&*self.drv).unwrap();
             let c = self.sim.counters();
             if c.live_streams == 0
                 && c.live_allocs == 0
