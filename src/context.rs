@@ -928,7 +928,7 @@ impl CtxInner {
         self.hub.get_or_init(|| {
             crate::completion::Hub::new(crate::pinned::Home {
                 driver: self.driver.clone(),
-                inner: self.rules.inner.clone(),
+                world: self.rules.inner.world(),
                 ctx: self.raw,
                 device: self.device,
                 maybe_primary: self.primary || self._keep_alive.is_some(),

@@ -26,8 +26,9 @@ pub(crate) struct Home {
     /// The context's driver behind the device rules (the context set): the shelf frees
     /// through it.
     pub(crate) driver: Arc<dyn Driver>,
-    /// The driver under the device rules, whose address identifies it.
-    pub(crate) inner: Arc<dyn Driver>,
+    /// The world of the driver under the device rules ([`Driver::world`]): the contexts and
+    /// memory it shares with other driver objects (every instance of the real driver).
+    pub(crate) world: usize,
     pub(crate) ctx: driver::Context,
     pub(crate) device: Device,
     /// Whether `ctx` may be the device's primary context: a state of the primary context, or
@@ -54,9 +55,9 @@ pub(crate) struct Block {
 }
 
 struct Shelf {
-    /// Frees through it; keeps the driver alive (and so its address unique).
+    /// Frees through it; keeps the driver alive (and so a world that is an address unique).
     driver: Arc<dyn Driver>,
-    inner: Arc<dyn Driver>,
+    world: usize,
     ctx: driver::Context,
     device: Device,
     blocks: Vec<Block>,
@@ -73,20 +74,12 @@ fn shelves() -> MutexGuard<'static, Vec<Shelf>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Whether `a` is the driver `b` (by address: the shelf keeps `a` alive, so it is unique).
-fn same(a: &Arc<dyn Driver>, b: &dyn Driver) -> bool {
-    std::ptr::eq(
-        Arc::as_ptr(a) as *const (),
-        b as *const dyn Driver as *const (),
-    )
-}
-
 /// A shelved block of `home`'s context with this size and flags, if there is one.
 pub(crate) fn take(home: &Home, bytes: usize, flags: u32) -> Option<Block> {
     let mut sh = shelves();
     let shelf = sh
         .iter_mut()
-        .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)?;
+        .find(|s| s.world == home.world && s.ctx == home.ctx)?;
     let i = shelf
         .blocks
         .iter()
@@ -107,7 +100,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
         let mut sh = shelves();
         if let Some(s) = sh
             .iter_mut()
-            .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)
+            .find(|s| s.world == home.world && s.ctx == home.ctx)
         {
             s.blocks.extend(blocks);
             return Vec::new();
@@ -128,7 +121,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
     let mut sh = shelves();
     if let Some(s) = sh
         .iter_mut()
-        .find(|s| same(&s.inner, &*home.inner) && s.ctx == home.ctx)
+        .find(|s| s.world == home.world && s.ctx == home.ctx)
     {
         // Another teardown made the shelf meanwhile: one retain is enough.
         s.blocks.extend(blocks);
@@ -139,7 +132,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
     }
     sh.push(Shelf {
         driver: home.driver.clone(),
-        inner: home.inner.clone(),
+        world: home.world,
         ctx: home.ctx,
         device: home.device,
         blocks,
@@ -158,8 +151,10 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 
 /// Frees the page-locked host memory that the crate keeps for reuse by later states of
 /// `driver`'s primary contexts (completion flags and staging blocks of torn-down states), and
-/// releases the primary contexts it kept for it (`driver` is the one the contexts were made
-/// with: the same object, by address). Returns how many blocks it freed.
+/// releases the primary contexts it kept for it. `driver` is the one the contexts were made
+/// with, or any driver of its world ([`Driver::world`]: any instance of the real driver, such
+/// as `driver::load(Choice::Cuda)`'s, for contexts adopted from cudarc too). Returns how many
+/// blocks it freed.
 ///
 /// The crate never frees that memory on its own: `cuMemFreeHost` waits for the work of every
 /// stream of the device, holding a lock of the driver that other threads' calls need, so a
@@ -194,7 +189,7 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
         let mut sh = shelves();
         let (mine, rest) = std::mem::take(&mut *sh)
             .into_iter()
-            .partition(|s| same(&s.inner, driver));
+            .partition(|s| s.world == driver.world());
         *sh = rest;
         mine
     };

@@ -74,6 +74,10 @@ impl<H> std::fmt::Debug for Hooked<H> {
 }
 
 impl<H: Hook> Driver for Hooked<H> {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }

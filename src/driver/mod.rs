@@ -324,6 +324,14 @@ pub trait Driver: Send + Sync + 'static {
     /// `"cuda"` or `"sim"`.
     fn kind(&self) -> &'static str;
 
+    /// Which drivers share their handles: two drivers with the same value see the same contexts
+    /// and memory. The default, this object's address, makes each object a world of its own
+    /// (each simulation is); every instance of the real driver returns the same value (they
+    /// all drive the process's libcuda), and a wrapper returns its inner driver's.
+    fn world(&self) -> usize {
+        self as *const Self as *const () as usize
+    }
+
     /// `cuInit`.
     ///
     /// # Errors
