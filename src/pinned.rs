@@ -183,8 +183,17 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 /// ```
 ///
 /// # Errors
-/// The first failure of a free or a release (the others are still made).
+/// `CUDA_ERROR_NOT_PERMITTED` on a host function's thread (nothing is freed); otherwise the
+/// first failure of a free or a release (the others are still made).
 pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
+    // Every driver call is refused there (and the frees would wait for the host function's
+    // own stream): refused before anything is taken off a shelf.
+    if crate::hostfn::on_host_fn_thread() {
+        return Err(crate::error::Error::driver(
+            crate::error::ErrorCode::ERROR_NOT_PERMITTED,
+            "cuMemFreeHost",
+        ));
+    }
     let mine: Vec<Shelf> = {
         let mut sh = shelves();
         let (mine, rest) = std::mem::take(&mut *sh)

@@ -104,6 +104,33 @@ fn the_shelf_is_per_driver() {
     assert!(a.misuse().is_empty() && b.misuse().is_empty());
 }
 
+#[test]
+fn releasing_on_a_host_function_thread_is_refused_and_keeps_the_shelf() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop_a_context(&d);
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d2 = d.clone();
+    s.launch_host_func(move || {
+        let _ = tx.send(release_pinned_cache(&*d2).map_err(|e| e.code()));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    let r = rx.recv().unwrap();
+    assert_eq!(
+        r,
+        Err(Some(cuda_stream_pool::ErrorCode::ERROR_NOT_PERMITTED))
+    );
+    drop(s);
+    drop(owner);
+    drop(ctx);
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 2, "the shelf was kept");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
 mod gpu {
     use super::common::stall::Trigger;
     use std::time::Duration;
