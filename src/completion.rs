@@ -38,6 +38,9 @@ thread_local! {
 
 /// Slots per host-mapped slab (one page of u64 flags).
 const SLAB_SLOTS: usize = 512;
+/// A slab's size and `cuMemHostAlloc` flags.
+const SLAB_BYTES: usize = SLAB_SLOTS * 8;
+const SLAB_FLAGS: u32 = host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock()
@@ -157,8 +160,7 @@ impl Hub {
     fn take_slot(&self) -> Result<(usize, usize, DevicePtr, u64)> {
         let mut st = lock(&self.state);
         if st.free.is_empty() {
-            let flags = host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE;
-            let bytes = SLAB_SLOTS * 8;
+            let (bytes, flags) = (SLAB_BYTES, SLAB_FLAGS);
             // A slab of an earlier state of the context, or a new one.
             let host = match pinned::take(&self.home, bytes, flags) {
                 Some(b) => b.host as *mut u8,
@@ -407,8 +409,8 @@ impl Hub {
             let st = &mut *guard;
             let slabs = st.slabs.drain(..).map(|s| Block {
                 host: s.host as usize,
-                bytes: SLAB_SLOTS * 8,
-                flags: host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE,
+                bytes: SLAB_BYTES,
+                flags: SLAB_FLAGS,
             });
             let staging = st.staging_all.drain(..).map(|(p, class)| Block {
                 host: p,
