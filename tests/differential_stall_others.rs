@@ -108,7 +108,12 @@ fn calls_behind_a_blocked_create(
                 }
             },
         }
-        let blocked = creating.load(Ordering::Acquire);
+        // On the simulation the release may already have let the creator finish: its count of
+        // stalled creates says whether one blocked. On the GPU, the creator is still creating.
+        let blocked = match &sim_trigger {
+            Some(sim) => sim.counters().stalled_creates > 0,
+            None => creating.load(Ordering::Acquire),
+        };
         // SAFETY: as above.
         unsafe { d2.ctx_set_current(ctx) }.unwrap();
         let mut extra = Vec::new();
