@@ -445,7 +445,8 @@ fn every_operation_keeps_the_callers_capture_mode() {
 
 /// A hook that panics at one call, to unwind through the crate's scopes.
 struct PanicAt(&'static str);
-impl cuda_stream_pool::driver::Hook for PanicAt {
+// SAFETY: `before` only panics or allows; the default `call` calls the driver once.
+unsafe impl cuda_stream_pool::driver::Hook for PanicAt {
     fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
         if call == self.0 {
             panic!("the test's hook panics at {call}");

@@ -140,7 +140,10 @@ extern "C" fn host_trampoline(data: *mut c_void) {
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
 }
 
-impl Driver for CudaDriver {
+// SAFETY: every method calls the loaded libcuda entry point of its name with the arguments it
+// documents and returns its result code unchanged (`Ok` only for `CUDA_SUCCESS`): the contract is
+// the real driver's own.
+unsafe impl Driver for CudaDriver {
     fn world(&self) -> usize {
         // Not an address (addresses are aligned): the same for every instance.
         1

@@ -17,7 +17,25 @@ use std::sync::Arc;
 /// point's name (as the simulation logs it, e.g. `"cuLaunchKernel"`; `stream_is_capturing` and
 /// `stream_capture_info` are both `"cuStreamGetCaptureInfo_v3"`). An error is returned by the
 /// call instead of calling the inner driver. It may block (to pause or schedule threads).
-pub trait Hook: Send + Sync + 'static {
+///
+/// # Safety
+///
+/// A [`Hooked`] driver is a [`Driver`], whose contract the crate's safety depends on, so
+/// implementing this trait is `unsafe`. An implementation of [`Hook::call`] must return either an
+/// error without having called `f`, or the result of its last call of `f`; it may call `f` again
+/// only after `f` returned an error (a failed driver call has no effect), never after it
+/// returned `Ok` (a second stream destroy or free after a successful one is a double free), and
+/// it must not change the calling thread's current context or capture mode. [`Hook::before`]
+/// only allows or refuses the call, and may block.
+///
+/// ```compile_fail,E0200
+/// use cuda_stream_pool::driver::Hook;
+/// struct Twice;
+/// impl Hook for Twice { // error[E0200]: the trait requires an `unsafe impl`
+///     fn before(&self, _: &'static str) -> cuda_stream_pool::Result<()> { Ok(()) }
+/// }
+/// ```
+pub unsafe trait Hook: Send + Sync + 'static {
     /// Before the call `call`.
     ///
     /// # Errors
@@ -48,7 +66,8 @@ pub trait Hook: Send + Sync + 'static {
 /// use std::sync::Arc;
 /// #[derive(Default)]
 /// struct Count(AtomicUsize);
-/// impl Hook for Count {
+/// // SAFETY: `before` only counts; the default `call` calls the driver once.
+/// unsafe impl Hook for Count {
 ///     fn before(&self, _call: &'static str) -> cuda_stream_pool::Result<()> {
 ///         self.0.fetch_add(1, Ordering::Relaxed);
 ///         Ok(())
@@ -73,7 +92,10 @@ impl<H> std::fmt::Debug for Hooked<H> {
     }
 }
 
-impl<H: Hook> Driver for Hooked<H> {
+// SAFETY: every call is forwarded to `inner`, a `Driver` (whose contract it keeps), through
+// `H::call`, whose contract (`Hook`'s `# Safety`) returns the inner call's own result or an error
+// without an effect; `world` and `kind` are the inner driver's.
+unsafe impl<H: Hook> Driver for Hooked<H> {
     fn world(&self) -> usize {
         self.inner.world()
     }

@@ -294,7 +294,7 @@ pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 ///
 /// A raw-handle call does not compile without `unsafe`:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0133
 /// # use cuda_stream_pool::{driver, Context};
 /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
 /// # let ctx = Context::primary(drv, 0).unwrap();
@@ -320,7 +320,33 @@ pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 /// assert!(matches!(e, Error::Driver { call: "cuDeviceGet", .. }));
 /// assert_eq!(e.code(), Some(ErrorCode::ERROR_INVALID_DEVICE));
 /// ```
-pub trait Driver: Send + Sync + 'static {
+///
+/// # Safety
+///
+/// The crate's safe API is sound only if its driver keeps the driver API's contract, so
+/// implementing this trait is `unsafe` (the crate implements it for [`CudaDriver`],
+/// [`SimDriver`] and [`Hooked`]). An implementation must:
+///
+/// - return `Ok` only for what happened: a handle returned as created (a stream, an event, an
+///   allocation, a module, a graph) is live and belongs to nobody else until the crate destroys
+///   or frees it; an operation reported as enqueued is enqueued, in order, on the stream given,
+///   and one reported as failed had no effect (the crate keeps the resource and retries);
+/// - report a stream as idle ([`Driver::stream_query`]) or synchronized only once every
+///   operation enqueued on it before has completed, and call a host function once, after the
+///   stream's earlier work;
+/// - make every call on the calling thread's current context (no other thread's) and leave the
+///   thread's current context and capture mode as the crate set them;
+/// - return from [`Driver::world`] a value shared only by drivers that see the same handles.
+///
+/// A driver that breaks these may make the crate free memory the GPU still uses or destroy a
+/// stream twice.
+///
+/// ```compile_fail,E0200
+/// use cuda_stream_pool::driver::Driver;
+/// struct Mine;
+/// impl Driver for Mine { /* ... */ } // error[E0200]: the trait requires an `unsafe impl`
+/// ```
+pub unsafe trait Driver: Send + Sync + 'static {
     /// `"cuda"` or `"sim"`.
     fn kind(&self) -> &'static str;
 
@@ -871,7 +897,7 @@ pub fn load(choice: Choice) -> Result<(Arc<dyn Driver>, Option<crate::Error>)> {
 /// assert_eq!(drv.thread_exchange_capture_mode(CaptureMode::Global).unwrap(), CaptureMode::Global);
 /// ```
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// # use cuda_stream_pool::{driver::{self, CaptureMode}, CaptureModeGuard};
 /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
 /// let g = CaptureModeGuard::new(&*drv, CaptureMode::Relaxed).unwrap();

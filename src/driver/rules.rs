@@ -332,7 +332,10 @@ impl Drop for Scope<'_> {
     }
 }
 
-impl super::Hook for DeviceRules {
+// SAFETY: `call` refuses before calling `f`, or returns `f`'s result; it calls `f` a second time
+// only after a first call failed with `CUDA_ERROR_INVALID_CONTEXT` (which had no effect); the
+// switches of the thread's context and capture mode it makes are undone by its scope.
+unsafe impl super::Hook for DeviceRules {
     fn before(&self, call: &'static str) -> Result<()> {
         if on_host_fn_thread() {
             return Err(Error::driver(ErrorCode::ERROR_NOT_PERMITTED, call));

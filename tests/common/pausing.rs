@@ -157,7 +157,8 @@ impl Pauser {
     }
 }
 
-impl Hook for Pauser {
+// SAFETY: `before` only pauses the thread; the default `call` calls the driver once.
+unsafe impl Hook for Pauser {
     /// Called by every delegating method before the call reaches the simulation.
     fn before(&self, name: &'static str) -> cuda_stream_pool::Result<()> {
         self.pause(name);

@@ -120,7 +120,9 @@ impl Default for Sched {
     }
 }
 
-impl Hook for Sched {
+// SAFETY: `before` only blocks the thread until the schedule lets it go; the default `call`
+// calls the driver once.
+unsafe impl Hook for Sched {
     fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
         self.stop(W::AtCall(call));
         Ok(())
