@@ -126,6 +126,8 @@ pub(crate) struct Hub {
     thread: Mutex<Option<std::thread::JoinHandle<Vec<Arc<Entry>>>>>,
     /// Completions observed (by the poller or by a poll), for tests and statistics.
     pub(crate) completed: AtomicU64,
+    /// The poller's passes over its pending entries (see [`Hub::poller_progress`]).
+    passes: AtomicU64,
 }
 
 impl std::fmt::Debug for Hub {
@@ -153,6 +155,7 @@ impl Hub {
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
             completed: AtomicU64::new(0),
+            passes: AtomicU64::new(0),
         })
     }
 
@@ -295,7 +298,11 @@ impl Hub {
                 drop(landed);
                 last = Instant::now();
                 spins = 0;
-            } else if spins < 64 {
+                self.passes.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
+            self.passes.fetch_add(1, Ordering::SeqCst);
+            if spins < 64 {
                 spins += 1;
                 std::hint::spin_loop();
             } else if last.elapsed() < Duration::from_millis(1) {
@@ -304,6 +311,19 @@ impl Hub {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
+    }
+
+    /// (passes, idle): the poller's passes over its pending entries so far (each reads every
+    /// pending flag once and finishes, waking their wakers, the landed ones), and whether it is
+    /// parked with nothing pending. For a model that must tell "the poller has looked since
+    /// this flag landed" from "it has not run yet", without timing: two more passes than when
+    /// the flag was seen to land mean a whole pass began after it.
+    #[cfg(feature = "model-hooks")]
+    pub(crate) fn poller_progress(&self) -> (u64, bool) {
+        let started = lock(&self.thread).is_some();
+        let st = lock(&self.state);
+        let idle = (st.parked || !started) && st.incoming.is_empty();
+        (self.passes.load(Ordering::SeqCst), idle)
     }
 
     /// A pinned staging block of at least `bytes` bytes (the context must be current).

@@ -917,6 +917,15 @@ impl Context {
         self.inner.deferred_len.load(Ordering::Acquire)
     }
 
+    /// The completion poller's progress, `(passes, idle)` (see the hub's `poller_progress`);
+    /// `None` before the context's first completion. Not part of the API: for the crate's
+    /// model tests (feature `model-hooks`).
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_poller_progress(&self) -> Option<(u64, bool)> {
+        self.inner.hub.get().map(|h| h.poller_progress())
+    }
+
     pub(crate) fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }

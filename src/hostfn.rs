@@ -79,15 +79,32 @@ pub(crate) fn wake_task(w: std::task::Waker) {
     if !on_host_fn_thread() {
         return run(w);
     }
-    static WAKER_THREAD: std::sync::OnceLock<Option<std::sync::mpsc::Sender<std::task::Waker>>> =
+    /// A waker handed to a background thread: counted for the model while pending (see
+    /// `sync::background_queued`), and counted as run when run or dropped.
+    struct Bg(Option<std::task::Waker>);
+    impl Bg {
+        fn run(mut self) {
+            if let Some(w) = self.0.take() {
+                run(w);
+            }
+        }
+    }
+    impl Drop for Bg {
+        fn drop(&mut self) {
+            crate::sync::background_ran();
+        }
+    }
+    crate::sync::background_queued();
+    let w = Bg(Some(w));
+    static WAKER_THREAD: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Bg>>> =
         std::sync::OnceLock::new();
     let tx = WAKER_THREAD.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<std::task::Waker>();
+        let (tx, rx) = std::sync::mpsc::channel::<Bg>();
         std::thread::Builder::new()
             .name("cuda-stream-pool-wake".into())
             .spawn(move || {
                 for w in rx {
-                    run(w);
+                    w.run();
                 }
             })
             .ok()
@@ -101,7 +118,7 @@ pub(crate) fn wake_task(w: std::task::Waker) {
                 let w = e.0;
                 let _ = std::thread::Builder::new()
                     .name("cuda-stream-pool-wake".into())
-                    .spawn(move || run(w));
+                    .spawn(move || w.run());
             }
         }
         None => {
@@ -115,13 +132,13 @@ pub(crate) fn wake_task(w: std::task::Waker) {
                     // Taken out first: the waker runs without the cell's lock.
                     let w = c2.lock().take();
                     if let Some(w) = w {
-                        run(w)
+                        w.run()
                     }
                 });
             if spawned.is_err() {
                 let w = cell.lock().take();
                 if let Some(w) = w {
-                    run(w)
+                    w.run()
                 }
             }
         }

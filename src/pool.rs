@@ -508,7 +508,7 @@ impl Wake {
     /// Wakes it; never under a lock of the pool (a waker is user code).
     fn wake(self) {
         match self {
-            Wake::Thread(t) => t.unpark(),
+            Wake::Thread(t) => crate::sync::unpark(&t),
             Wake::Task(w) => crate::hostfn::wake_task(Arc::unwrap_or_clone(w)),
         }
     }
@@ -1402,16 +1402,33 @@ impl Pool {
 /// loans that ended. If no thread can be started, `w` is woken at once.
 fn wake_after_poll(w: Waker) {
     use std::sync::mpsc;
-    static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Waker>>> = std::sync::OnceLock::new();
+    /// A waker handed to the loans thread: counted for the model while pending (see
+    /// `sync::background_queued`), counted as run when woken or dropped.
+    struct Bg(Option<Waker>);
+    impl Bg {
+        fn wake(mut self) {
+            if let Some(w) = self.0.take() {
+                crate::hostfn::wake_task(w);
+            }
+        }
+    }
+    impl Drop for Bg {
+        fn drop(&mut self) {
+            crate::sync::background_ran();
+        }
+    }
+    static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Bg>>> = std::sync::OnceLock::new();
+    crate::sync::background_queued();
+    let w = Bg(Some(w));
     let tx = POLLER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<Waker>();
+        let (tx, rx) = mpsc::channel::<Bg>();
         std::thread::Builder::new()
             .name("cuda-stream-pool-loans".into())
             .spawn(move || {
                 while let Ok(first) = rx.recv() {
                     std::thread::sleep(LOAN_POLL);
                     for w in std::iter::once(first).chain(rx.try_iter()) {
-                        crate::hostfn::wake_task(w);
+                        w.wake();
                     }
                 }
             })
@@ -1421,9 +1438,9 @@ fn wake_after_poll(w: Waker) {
     match tx {
         Some(tx) => {
             if let Err(mpsc::SendError(w)) = tx.send(w) {
-                crate::hostfn::wake_task(w);
+                w.wake();
             }
         }
-        None => crate::hostfn::wake_task(w),
+        None => w.wake(),
     }
 }

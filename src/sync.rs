@@ -143,7 +143,16 @@ pub(crate) fn park() {
         hook::yield_now("park");
         return;
     }
+    #[cfg(feature = "model-hooks")]
+    let _parked = hook::Parked::new();
     std::thread::park();
+}
+
+/// Unparks `t` (see [`park`]).
+pub(crate) fn unpark(t: &std::thread::Thread) {
+    #[cfg(feature = "model-hooks")]
+    hook::unparking(t.id());
+    t.unpark();
 }
 
 /// Parks the calling thread for at most `dur` (a scheduled thread yields once instead).
@@ -163,6 +172,23 @@ pub(crate) fn yields() -> bool {
     return hook::scheduled();
     #[cfg(not(feature = "model-hooks"))]
     false
+}
+
+/// A wake-up handed to one of the crate's background threads (the waker thread, the loans
+/// thread): counted with feature `model-hooks` (see [`hook::background`]), nothing otherwise.
+pub(crate) fn background_queued() {
+    #[cfg(feature = "model-hooks")]
+    hook::BACKGROUND
+        .0
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A wake-up counted by [`background_queued`] has run (or was dropped).
+pub(crate) fn background_ran() {
+    #[cfg(feature = "model-hooks")]
+    hook::BACKGROUND
+        .1
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Lets a test scheduler run the others (see [`yields`]); nothing without one.
@@ -193,6 +219,73 @@ pub mod hook {
     }
 
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+    /// Wake-ups handed to the crate's background threads, and those that have run.
+    pub(crate) static BACKGROUND: (AtomicU64, AtomicU64) = (AtomicU64::new(0), AtomicU64::new(0));
+
+    /// Threads parked without a timeout in the crate right now (see [`is_parked`]), and threads
+    /// unparked while not listed (their next park returns at once, as `std`'s token says).
+    static PARKED: std::sync::Mutex<(Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)> =
+        std::sync::Mutex::new((Vec::new(), Vec::new()));
+
+    fn parked_list(
+    ) -> std::sync::MutexGuard<'static, (Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)>
+    {
+        PARKED.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The calling thread listed in [`PARKED`] while this lives (unless a token was pending).
+    pub(crate) struct Parked(std::thread::ThreadId);
+
+    impl Parked {
+        pub(crate) fn new() -> Parked {
+            let me = std::thread::current().id();
+            let mut l = parked_list();
+            if let Some(i) = l.1.iter().position(|t| *t == me) {
+                // Unparked before it parks: the park returns at once.
+                l.1.swap_remove(i);
+            } else {
+                l.0.push(me);
+            }
+            Parked(me)
+        }
+    }
+
+    impl Drop for Parked {
+        fn drop(&mut self) {
+            let mut l = parked_list();
+            if let Some(i) = l.0.iter().position(|t| *t == self.0) {
+                l.0.swap_remove(i);
+            }
+        }
+    }
+
+    /// `t` is unparked: runnable from now on (listed no more), or its next park returns at once.
+    pub(crate) fn unparking(t: std::thread::ThreadId) {
+        let mut l = parked_list();
+        if let Some(i) = l.0.iter().position(|x| *x == t) {
+            l.0.swap_remove(i);
+        } else if !l.1.contains(&t) {
+            l.1.push(t);
+        }
+    }
+
+    /// Whether thread `t` is parked without a timeout inside the crate right now (a blocking
+    /// acquisition at a cap, waiting for a stream to come back): it runs again only when
+    /// something unparks it.
+    pub fn is_parked(t: std::thread::ThreadId) -> bool {
+        parked_list().0.contains(&t)
+    }
+
+    /// (handed, run): wake-ups handed to the crate's background threads (the waker thread that
+    /// runs the wakers of host functions, the thread that looks for ended loans) and those of
+    /// them that have run, process-wide. Equal when none is pending: what a model needs to tell
+    /// "nothing will wake this future" from "a thread has not run yet", without timing.
+    pub fn background() -> (u64, u64) {
+        // `run` first: a reading never shows more run than handed.
+        let ran = BACKGROUND.1.load(Ordering::SeqCst);
+        (BACKGROUND.0.load(Ordering::SeqCst), ran)
+    }
 
     /// This thread's identifier in a mutex's holder word: its id shifted left, with bit 0 set
     /// when the thread is scheduled. 0 is "nobody (or in transition)".

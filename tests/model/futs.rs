@@ -10,7 +10,8 @@
 //!   work enqueued just before it (so not before the manual clock passed its end) and, with a
 //!   marker, a host function enqueued before it (which must have run);
 //! - a completion whose stream has nothing pending is complete, and a future polled `Pending`
-//!   whose work has completed is woken (by the poller thread: bounded real-time wait);
+//!   whose work has completed is woken (by the poller thread; a wake-up is declared missing only
+//!   when no thread that could deliver it has anything left to do: `Model::await_quiet`);
 //! - a host copy resolves with the contents the model expects;
 //! - `Owner::ready` futures of one key are served first come, first served (in the order their
 //!   first `Pending` poll queued them), and the first of them is woken whenever its key could
@@ -27,9 +28,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context as TaskCx, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-/// How long a wake-up may take in real time (the completion poller and the simulation's
-/// host-function thread run on threads of their own).
-const WAKE_LIMIT: Duration = Duration::from_secs(2);
+/// How long the threads that wake futures may take to finish what they were given before the
+/// model calls it a hang (never a verdict on a wake-up: see `Model::await_wake`).
+const HANG_LIMIT: Duration = Duration::from_secs(120);
 /// At most this many futures at once.
 const MAX_FUTS: usize = 16;
 /// Simulated time that completes every piece of work the model enqueues.
@@ -547,20 +548,20 @@ impl Model {
             (r, (ctx, mode, "a blocked acquisition"))
         });
         drop(o);
-        let until = Instant::now() + WAKE_LIMIT;
-        while !t.is_finished() {
-            assert!(
-                Instant::now() < until,
-                "an acquisition waiting at the cap of key {key} was not served after a stream \
-                 came back and its work completed"
-            );
-            // Let simulated time pass until the stream given back is idle (its work may wait
-            // for host functions, which run in real time); host functions enqueued meanwhile
-            // start at the simulation's next step.
-            let busy = self.sim.is_busy(back);
-            self.sim.advance(if busy { LONG } else { 0 });
-            std::thread::sleep(Duration::from_micros(100));
-        }
+        // Simulated time passes until the stream given back is idle (its work may wait for
+        // host functions, which run in real time; host functions enqueued meanwhile start at
+        // the simulation's next step). The thread must then finish: "not yet" is told from
+        // "never" by the thread being parked in the crate with nothing left to wake it.
+        let served = self.await_quiet(
+            &|| t.is_finished(),
+            &|| cuda_stream_pool::__model_hooks::is_parked(t.thread().id()),
+            &|| if self.sim.is_busy(back) { LONG } else { 0 },
+        );
+        assert!(
+            served,
+            "an acquisition waiting at the cap of key {key} was not served after a stream came \
+             back and its work completed"
+        );
         let (r, state) = t.join().expect("the acquiring thread panicked");
         self.thread_states.push(state);
         if let Ok(raw) = r {
@@ -612,17 +613,85 @@ impl Model {
                 } => self.first_waiter(*key) == Some(*j) && self.servable(*key),
                 Kind::Ready { joined: None, .. } => false,
             };
-            if due {
-                let until = Instant::now() + WAKE_LIMIT;
-                while f.woken() <= w0 {
-                    assert!(
-                        Instant::now() < until,
-                        "{} polled Pending was not woken although what it waits for happened",
-                        f.what()
-                    );
-                    std::thread::sleep(Duration::from_micros(100));
-                    self.sim.advance(0);
+            if due && !self.await_wake(f, w0) {
+                panic!(
+                    "{} polled Pending was not woken although what it waits for happened \
+                     (and every thread that could wake it had nothing left to do)",
+                    f.what()
+                );
+            }
+        }
+    }
+}
+
+impl Model {
+    /// What the threads that wake futures have done so far: host functions started and
+    /// returned on the simulation's host-function thread, wake-ups handed to the crate's
+    /// background threads and run there.
+    fn wake_activity(&self) -> [u64; 4] {
+        let (hs, hr) = self.sim.host_fn_progress();
+        let (bq, br) = cuda_stream_pool::__model_hooks::background();
+        [hs, hr, bq, br]
+    }
+
+    /// Waits until `f` is woken after its `w0`th wake-up; false when it is not although every
+    /// thread that could wake it has nothing left to do (see [`Model::await_quiet`]).
+    fn await_wake(&self, f: &Fut, w0: usize) -> bool {
+        self.await_quiet(&|| f.woken() > w0, &|| true, &|| 0)
+    }
+
+    /// Waits until `done`; false when it is not done although every thread that could make it
+    /// so has nothing left to do: two rounds in a row in which, after a step of the simulation
+    /// (by `step()` ns), no host function started or returned, no wake-up was handed to or run
+    /// by a background thread of the crate, the completion poller made a whole pass (or had
+    /// nothing pending), and `stuck` held (the waiting thread, if any, is parked). No timing
+    /// decides it: on a loaded machine the rounds only take longer. (A bound of [`HANG_LIMIT`]
+    /// reports a thread that never finishes what it was given: a hang.)
+    fn await_quiet(
+        &self,
+        done: &dyn Fn() -> bool,
+        stuck: &dyn Fn() -> bool,
+        step: &dyn Fn() -> u64,
+    ) -> bool {
+        let hang = Instant::now() + HANG_LIMIT;
+        let mut quiet = 0;
+        loop {
+            if done() {
+                return true;
+            }
+            let before = self.wake_activity();
+            self.sim.advance(step());
+            let p0 = self.ctx().model_poller_progress();
+            loop {
+                let [hs, hr, bq, br] = self.wake_activity();
+                let poller = match (p0, self.ctx().model_poller_progress()) {
+                    (_, None) => true,
+                    (None, Some((_, idle))) => idle,
+                    (Some((a, _)), Some((b, idle))) => idle || b >= a + 2,
+                };
+                if hs == hr && bq == br && poller && stuck() {
+                    break;
                 }
+                if done() {
+                    return true;
+                }
+                assert!(
+                    Instant::now() < hang,
+                    "a hang: a host function, a background wake-up, the completion poller or a \
+                     waiting thread did not finish in {HANG_LIMIT:?}"
+                );
+                std::thread::yield_now();
+            }
+            if done() {
+                return true;
+            }
+            if self.wake_activity() == before {
+                quiet += 1;
+                if quiet == 2 {
+                    return false;
+                }
+            } else {
+                quiet = 0;
             }
         }
     }

@@ -220,6 +220,9 @@ pub struct SimDriver {
     clock: Clock,
     state: Mutex<State>,
     cv: Arc<Condvar>,
+    /// Host functions handed to the host-function thread, and those of them that returned
+    /// (see [`SimDriver::host_fn_progress`]).
+    host_jobs: Arc<(AtomicU64, AtomicU64)>,
     /// Driver calls made from host functions (recorded without the state lock, which a graph's
     /// host node runs under).
     host_calls: Mutex<Vec<String>>,
@@ -351,6 +354,7 @@ impl SimDriver {
                 blocked_creates: 0,
             }),
             cv: Arc::new(Condvar::new()),
+            host_jobs: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
             host_calls: Mutex::new(Vec::new()),
         }
     }
@@ -578,6 +582,30 @@ impl SimDriver {
     /// ```
     pub fn counters(&self) -> SimCounters {
         self.lock().counters.clone()
+    }
+
+    /// (started, returned): host functions of streams started on the simulation's
+    /// host-function thread so far, and those of them that have returned. Equal when none is
+    /// running; a host function that became due starts at the simulation's next step (any
+    /// call, or [`SimDriver::advance`]). For tests that must tell "no host function will run"
+    /// from "the host-function thread has not run yet" without timing.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::SimDriver, Context};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// s.launch_host_func(|| {}).unwrap();
+    /// s.synchronize().unwrap();
+    /// let (started, returned) = sim.host_fn_progress();
+    /// assert_eq!((started, returned), (1, 1));
+    /// ```
+    pub fn host_fn_progress(&self) -> (u64, u64) {
+        // Returned first: a reading never shows more returned than started.
+        let returned = self.host_jobs.1.load(Ordering::SeqCst);
+        (self.host_jobs.0.load(Ordering::SeqCst), returned)
     }
 
     /// Stream creations blocked right now behind a GPU-side wait ([`SimConfig::create_stall_at`]).

@@ -400,9 +400,12 @@ impl SimDriver {
                             if st.host.is_none() {
                                 st.host = host_worker();
                             }
+                            let jobs = self.host_jobs.clone();
+                            jobs.0.fetch_add(1, Ordering::SeqCst);
                             let job: HostJob = Box::new(move || {
                                 run_host_fn(f);
                                 done.store(true, Ordering::Release);
+                                jobs.1.fetch_add(1, Ordering::SeqCst);
                                 cv.notify_all();
                             });
                             let unsent = match st.host.as_ref() {
