@@ -61,6 +61,10 @@ struct Shelf {
     ctx: driver::Context,
     device: Device,
     blocks: Vec<Block>,
+    /// Retains of the device's primary context that the shelf holds: one while it has blocks,
+    /// plus any that could not be released ([`keep_retain`]); released by
+    /// [`release_pinned_cache`].
+    retains: usize,
 }
 
 fn shelves() -> MutexGuard<'static, Vec<Shelf>> {
@@ -109,14 +113,16 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
     // A new shelf: its retain keeps the context (and the blocks) alive. Made outside the lock.
     // It also tells whether the context is the primary one (an adopted context may be, as
     // cudarc's is).
-    match home.driver.primary_ctx_retain(home.device) {
-        Ok(p) if p == home.ctx => {}
-        Ok(_) => {
-            // SAFETY: the retain just made, released once.
-            let _ = unsafe { home.driver.primary_ctx_release(home.device) };
-            return blocks;
-        }
+    let primary = match home.driver.primary_ctx_retain(home.device) {
+        Ok(p) => p,
         Err(_) => return blocks,
+    };
+    if primary != home.ctx {
+        // SAFETY: the retain just made, released once.
+        if unsafe { home.driver.primary_ctx_release(home.device) }.is_err() {
+            keep_retain(home, primary);
+        }
+        return blocks;
     }
     let mut sh = shelves();
     if let Some(s) = sh
@@ -127,7 +133,9 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
         s.blocks.extend(blocks);
         drop(sh);
         // SAFETY: the retain just made, released once.
-        let _ = unsafe { home.driver.primary_ctx_release(home.device) };
+        if unsafe { home.driver.primary_ctx_release(home.device) }.is_err() {
+            keep_retain(home, primary);
+        }
         return Vec::new();
     }
     sh.push(Shelf {
@@ -136,8 +144,30 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
         ctx: home.ctx,
         device: home.device,
         blocks,
+        retains: 1,
     });
     Vec::new()
+}
+
+/// A retain of `primary` (the primary context of `home`'s device) whose release failed: kept on
+/// that context's shelf (made empty if needed), so that [`release_pinned_cache`] releases it
+/// later. Never lost, never released twice.
+fn keep_retain(home: &Home, primary: driver::Context) {
+    let mut sh = shelves();
+    match sh
+        .iter_mut()
+        .find(|s| s.world == home.world && s.ctx == primary)
+    {
+        Some(s) => s.retains += 1,
+        None => sh.push(Shelf {
+            driver: home.driver.clone(),
+            world: home.world,
+            ctx: primary,
+            device: home.device,
+            blocks: Vec::new(),
+            retains: 1,
+        }),
+    }
 }
 
 /// Frees `b` through `driver` (its context set by the device rules).
@@ -184,7 +214,13 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 ///
 /// # Errors
 /// `CUDA_ERROR_NOT_PERMITTED` on a host function's thread (nothing is freed); otherwise the
-/// first failure of a free or a release (the others are still made).
+/// first failure of a free or a release (the others are still made). A block whose free
+/// failed stays on its shelf, and its context stays retained for it; a retain whose release
+/// failed stays too: a later call frees and releases them.
+///
+/// Call it before any `cuDevicePrimaryCtxReset` of these devices (by this program or a
+/// library): a reset destroys the primary context and its page-locked memory with it, retains
+/// or not, and a later free of a shelved block would free memory that is gone.
 pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
     // Every driver call is refused there (and the frees would wait for the host function's
     // own stream): refused before anything is taken off a shelf.
@@ -204,25 +240,45 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
     };
     let mut first = Ok(());
     let mut freed = 0;
-    for s in mine {
-        for b in s.blocks {
+    let mut kept = Vec::new();
+    for mut s in mine {
+        let mut left = Vec::new();
+        for b in std::mem::take(&mut s.blocks) {
             // SAFETY: a shelved block: live (its context is retained by the shelf), used by
             // no one, removed from the shelf above, so freed once.
             match unsafe { free(&*s.driver, b) } {
                 Ok(()) => freed += 1,
                 Err(e) => {
+                    // Still allocated: back on the shelf, with the retain that keeps it.
+                    left.push(b);
                     if first.is_ok() {
                         first = Err(e);
                     }
                 }
             }
         }
-        // SAFETY: the shelf's retain, released once.
-        if let Err(e) = unsafe { s.driver.primary_ctx_release(s.device) } {
-            if first.is_ok() {
-                first = Err(e);
+        // The shelf's retains, each released once; with blocks left, one stays (theirs).
+        let keep = usize::from(!left.is_empty());
+        while s.retains > keep {
+            // SAFETY: a retain the shelf holds, released once (counted down below).
+            match unsafe { s.driver.primary_ctx_release(s.device) } {
+                Ok(()) => s.retains -= 1,
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                    break;
+                }
             }
         }
+        s.blocks = left;
+        if s.retains > 0 {
+            kept.push(s);
+        }
+    }
+    if !kept.is_empty() {
+        // What could not be freed or released stays for a later call.
+        shelves().extend(kept);
     }
     first.map(|()| freed)
 }

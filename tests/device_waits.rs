@@ -147,3 +147,49 @@ mod gpu {
         assert!(!late, "the teardown waited for another stream's work");
     }
 }
+
+// Pins issue 19 review finding 4: a block whose free failed was dropped from its shelf (lost,
+// never freed), and the shelf's retain released although the block still needed its context.
+#[test]
+fn a_failed_free_keeps_the_block_and_its_retain_for_a_later_release() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop_a_context(&d);
+    assert_eq!(sim.counters().live_host_allocs, 2);
+    sim.fail_calls(
+        "cuMemFreeHost",
+        cuda_stream_pool::ErrorCode::ERROR_UNKNOWN,
+        1,
+    );
+    let e = release_pinned_cache(&*d).unwrap_err();
+    assert_eq!(e.code(), Some(cuda_stream_pool::ErrorCode::ERROR_UNKNOWN));
+    let c = sim.counters();
+    assert_eq!(
+        (c.live_host_allocs, c.live_contexts),
+        (1, 1),
+        "the block not freed stays, and its context with it: {c:?}"
+    );
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 1);
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+// A retain whose release failed is kept and released by the next call (it was `let _`).
+#[test]
+fn a_failed_release_keeps_the_retain_for_a_later_release() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop_a_context(&d);
+    sim.fail_calls(
+        "cuDevicePrimaryCtxRelease_v2",
+        cuda_stream_pool::ErrorCode::ERROR_UNKNOWN,
+        1,
+    );
+    assert!(release_pinned_cache(&*d).is_err());
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 1), "{c:?}");
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 0);
+    assert_eq!(sim.counters().live_contexts, 0);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
