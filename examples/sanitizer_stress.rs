@@ -183,6 +183,10 @@ pub struct Config {
     /// Seconds without a finished operation after which the run prints what every worker
     /// does and exits with status 3 (0: never).
     pub watchdog_s: u64,
+    /// Whether gates hold streams busy ([`Gate`]); off with `--no-gates`, for memcheck, which
+    /// serializes the device's work (a closed gate then stalls every thread that waits for the
+    /// GPU, and the thread that would open it behind them).
+    pub gates: bool,
 }
 
 impl Default for Config {
@@ -196,6 +200,7 @@ impl Default for Config {
             seed: 19,
             watchdog_s: 0,
             prewarm: 1024,
+            gates: true,
         }
     }
 }
@@ -220,10 +225,11 @@ impl Config {
                 "--watchdog" => c.watchdog_s = num("--watchdog")?,
                 "--prewarm" => c.prewarm = num("--prewarm")? as usize,
                 "--sim" => c.sim = true,
-                "--gpu" => c.gpu = true,
+"--gpu" => c.gpu = true,
+                "--no-gates" => c.gates = false,
                 "-h" | "--help" => {
                     return Err(
-                        "usage: sanitizer_stress [--threads N] [--iters N] [--cap N] [--seed N] [--watchdog SECS] [--prewarm N] [--sim | --gpu]"
+                        "usage: sanitizer_stress [--threads N] [--iters N] [--cap N] [--seed N] [--watchdog SECS] [--prewarm N] [--no-gates] [--sim | --gpu]"
                             .into(),
                     )
                 }
@@ -491,13 +497,16 @@ struct GateWords {
     host: usize,
     dev: u64,
     next: std::sync::atomic::AtomicUsize,
+    /// Whether gates wait (see [`Config::gates`]).
+    on: bool,
 }
 
 impl GateWords {
     const WORDS: usize = 1 << 14;
 
     /// Allocates the words through `ctx`'s driver (its device rules make the context current).
-    fn new(ctx: &Context) -> R<Arc<GateWords>> {
+    /// With `on` false, gates do not wait (see [`Config::gates`]).
+    fn new(ctx: &Context, on: bool) -> R<Arc<GateWords>> {
         let drv = ctx.driver().clone();
         let bytes = Self::WORDS * 4;
         let host = drv
@@ -517,6 +526,7 @@ impl GateWords {
             host: host as usize,
             dev: dev.0,
             next: std::sync::atomic::AtomicUsize::new(0),
+            on,
         }))
     }
 
@@ -542,6 +552,13 @@ impl Gate {
         s: &StreamRef<'_>,
         then: impl FnOnce() + Send + 'static,
     ) -> R<Gate> {
+        if !words.on {
+            s.launch_host_func(then).at("launch_host_func")?;
+            return Ok(Gate {
+                words: words.clone(),
+                i: usize::MAX,
+            });
+        }
         let i = words.next.fetch_add(1, Ordering::AcqRel);
         ensure!(i < GateWords::WORDS, "out of gate words");
         // SAFETY: `s` is held by its owner (live) and not capturing; the word is host-mapped
@@ -563,8 +580,20 @@ impl Gate {
     }
 }
 
+impl Gate {
+    /// Checks that `p`, a poll of a future behind this gate, is pending while the gate is
+    /// closed (without gates, anything goes).
+    fn pending<T>(&self, p: Poll<T>, what: &str) -> R<()> {
+        ensure!(self.i == usize::MAX || p.is_pending(), "{what}");
+        Ok(())
+    }
+}
+
 impl Drop for Gate {
     fn drop(&mut self) {
+        if self.i == usize::MAX {
+            return;
+        }
         // SAFETY: word `i` of the live allocation, 4-byte aligned; the GPU only reads it.
         let w =
             unsafe { &*((self.words.host + 4 * self.i) as *const std::sync::atomic::AtomicU32) };
@@ -1129,17 +1158,17 @@ impl Worker {
                 let w = Dropping::new(&env, Some(Payload::Owner(other)));
                 let extra = Dropping::new(&env, Some(Payload::Buffer(b)));
                 let ctxw = Dropping::new(&env, Some(Payload::Context(env.ctx.clone())));
-                ensure!(
-                    poll_once(done.as_mut(), &extra).is_pending(),
-                    "a completion behind a closed gate was ready"
-                );
+                gate.pending(
+                    poll_once(done.as_mut(), &extra),
+                    "a completion behind a closed gate was ready",
+                )?;
                 // The crate holds the only clone of `extra` now; it drops it (and the buffer)
                 // when a poll replaces it by `ctxw`, whose context clone the poller drops.
                 drop(extra);
-                ensure!(poll_once(done.as_mut(), &ctxw).is_pending(), "ready early");
+                gate.pending(poll_once(done.as_mut(), &ctxw), "ready early")?;
                 drop(ctxw);
                 let mut done2 = Box::pin(s.completed().at("completed")?);
-                ensure!(poll_once(done2.as_mut(), &w).is_pending(), "ready early");
+                gate.pending(poll_once(done2.as_mut(), &w), "ready early")?;
                 drop(gate);
                 block_on(done.as_mut(), &w, "a completion")?.at("completion")?;
                 block_on(done2.as_mut(), &w, "a completion")?.at("completion")?;
@@ -1170,15 +1199,20 @@ impl Worker {
         let mut done = Box::pin(s.completed().at("completed")?);
         let second = s.completed().at("completed")?;
         let w = Dropping::new(&env, None);
-        ensure!(
-            poll_once(done.as_mut(), &w).is_pending(),
-            "a completion behind a closed gate was ready"
-        );
+        let first = poll_once(done.as_mut(), &w);
+        let ready = first.is_ready();
+        gate.pending(first, "a completion behind a closed gate was ready")?;
         drop(done); // the hub keeps the waker
         drop(second);
         drop(b);
         drop(s);
         drop(o);
+        if ready {
+            // Without gates (`--no-gates`) the work may be done already: no waker was kept.
+            drop(t);
+            drop(gate);
+            return Ok(());
+        }
         *w.payload.lock().unwrap_or_else(|e| e.into_inner()) = Some(Payload::LastContext(t));
         drop(gate);
         w.wait("a completion's waker holding the last context")?;
@@ -1310,7 +1344,7 @@ impl Worker {
         let gate = Gate::on(&self.leaky_gates, &s, || {})?;
         let mut c = Box::pin(s.completed().at("completed")?);
         let w = Dropping::new(&self.env, None);
-        ensure!(poll_once(c.as_mut(), &w).is_pending(), "ready early");
+        gate.pending(poll_once(c.as_mut(), &w), "ready early")?;
         std::mem::forget(c);
         bump(&self.env.c.leaked);
         drop(gate);
@@ -1418,7 +1452,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
         prewarm(&ctx, cfg.prewarm)?;
     }
     let k = Kernels::load(&ctx).at("Kernels::load")?;
-    let gates = GateWords::new(&ctx)?;
+    let gates = GateWords::new(&ctx, cfg.gates)?;
     let env = Arc::new(Env {
         drv: drv.clone(),
         sim: sim.clone(),
@@ -1470,6 +1504,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
         .map(|t| {
             let env = env.clone();
             let start = start.clone();
+            let gated = cfg.gates;
             // splitmix64 of (seed, thread): distinct, non-zero xorshift states.
             let mut z = cfg
                 .seed
@@ -1485,7 +1520,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
                 start.wait();
                 let leaky = leaky?;
                 let leaky_gates = match &env.leak_sim {
-                    Some(_) => GateWords::new(&leaky)?,
+                    Some(_) => GateWords::new(&leaky, gated)?,
                     None => env.gates.clone(),
                 };
                 let mut w = Worker {

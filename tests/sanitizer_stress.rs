@@ -10,6 +10,10 @@
 mod stress;
 
 fn run(threads: usize, iters: usize, cap: usize, seed: u64) -> stress::Summary {
+    run_with(threads, iters, cap, seed, true)
+}
+
+fn run_with(threads: usize, iters: usize, cap: usize, seed: u64, gates: bool) -> stress::Summary {
     let cfg = stress::Config {
         threads,
         iters: Some(iters),
@@ -17,6 +21,7 @@ fn run(threads: usize, iters: usize, cap: usize, seed: u64) -> stress::Summary {
         sim: true,
         gpu: false,
         seed,
+        gates,
         ..stress::Config::default()
     };
     let s = stress::run(&cfg).unwrap_or_else(|e| panic!("{e}"));
@@ -42,4 +47,11 @@ fn the_sanitizer_stress_passes_on_the_simulation() {
 #[test]
 fn the_sanitizer_stress_passes_with_a_cap_of_one() {
     run(8, 40, 1, 7);
+}
+
+// The mode memcheck runs in on the GPU (`--no-gates`: memcheck serializes the device's work, and
+// a closed gate stalled every thread then): the same mix, nothing held busy.
+#[test]
+fn the_sanitizer_stress_passes_without_gates() {
+    run_with(16, 40, 3, 7, false);
 }
