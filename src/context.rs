@@ -389,6 +389,13 @@ impl Context {
     /// Adopts a context that another crate created (e.g. cudarc's `CudaContext::cu_ctx()`).
     /// This state never destroys or releases it.
     ///
+    /// At teardown the state's page-locked host memory (completion flags, staging blocks) goes
+    /// on the context's shelf for later states ([`crate::release_pinned_cache`]) only when
+    /// `keep_alive` is given and `raw` is the device's primary context (cudarc's are). Otherwise
+    /// the teardown frees it with `cuMemFreeHost`, which waits for the work of every stream of the
+    /// device: so adopt a primary context with a `keep_alive`, and tear a non-primary one down
+    /// where such a wait is harmless.
+    ///
     /// # Safety
     /// `raw` must be a live context of `driver` and stay alive for as long as this state and
     /// everything made from it (owners, streams, buffers, graphs, and loans of its streams:

@@ -12,7 +12,8 @@
 //! context); [`release_pinned_cache`] frees them when the program asks, as PyTorch's caching
 //! host allocator does.
 //!
-//! Only primary contexts have a shelf (an adopted one too, such as cudarc's): a context that
+//! Only primary contexts have a shelf (an adopted one too when it is adopted with what keeps it
+//! alive, as cudarc's are; see [`crate::Context::adopt`]): a context that
 //! its creator destroys once the crate's state for it is gone would take its blocks with it, so
 //! the teardown of such a state frees them (and waits).
 

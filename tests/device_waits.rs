@@ -193,3 +193,64 @@ fn a_failed_release_keeps_the_retain_for_a_later_release() {
     assert_eq!(sim.counters().live_contexts, 0);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+// What `Context::adopt` documents (issue 19 review finding 2): an adopted primary context's
+// page-locked memory is shelved only when a keep-alive is given; without one the teardown frees it.
+#[test]
+fn an_adopted_primary_context_shelves_its_memory_only_with_a_keep_alive() {
+    for keep in [false, true] {
+        let sim = Arc::new(SimDriver::new());
+        let d: Arc<dyn Driver> = sim.clone();
+        d.init().unwrap();
+        let dev = d.device_get(0).unwrap();
+        let raw = d.primary_ctx_retain(dev).unwrap();
+        let keep_alive: Option<Box<dyn std::any::Any + Send + Sync>> =
+            keep.then(|| Box::new(()) as Box<dyn std::any::Any + Send + Sync>);
+        // SAFETY: retained above, released below after the state and everything made from it.
+        let ctx = unsafe { Context::adopt(d.clone(), raw, keep_alive) }.unwrap();
+        let owner = ctx.owner();
+        let s = owner.stream().unwrap();
+        let done = s.completed().unwrap();
+        sim.advance(0);
+        assert!(done.is_complete());
+        drop(done);
+        drop(s);
+        drop(owner);
+        drop(ctx);
+        let kept = sim.counters().live_host_allocs;
+        assert_eq!(
+            kept,
+            u64::from(keep),
+            "keep-alive {keep}: {kept} blocks kept"
+        );
+        assert_eq!(release_pinned_cache(&*d).unwrap(), kept as usize);
+        // SAFETY: retained once above; nothing uses it any more.
+        unsafe { d.primary_ctx_release(dev) }.unwrap();
+        let c = sim.counters();
+        assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+        assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+    }
+}
+
+// Issue 19 review finding 6: `release_pinned_cache` freed in the caller's capture mode, so a free
+// made in global mode while another thread captured in global mode would be refused and
+// invalidate that capture (the simulation treats `cuMemFreeHost` as `cuMemHostAlloc`: see its
+// `do_mem_free_host`). The device rules now relax it.
+#[test]
+fn releasing_the_cache_leaves_another_threads_global_capture_intact() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop_a_context(&d);
+    let e = common::Env::new(&d);
+    let s = e.stream();
+    let cap = common::ForeignCapture::new(&d, e.ctx, s);
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 2);
+    let g = cap.end().expect("the foreign capture survived the frees");
+    // SAFETY: made above, destroyed once; nothing uses them any more.
+    unsafe {
+        d.graph_destroy(g).unwrap();
+        d.stream_destroy(s).unwrap();
+    }
+    assert_eq!(sim.unrelaxed_calls(), Vec::<String>::new());
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}

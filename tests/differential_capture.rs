@@ -252,6 +252,10 @@ enum Call {
     Query,
     Sync,
     EventQuery,
+    /// `cuMemHostAlloc` (page-locked, device-mapped).
+    HostAlloc,
+    /// `cuMemFreeHost` of a block allocated before any capture began.
+    HostFree,
 }
 
 /// Makes `call` on a stream that is not capturing, by this thread in `caller` mode, while
@@ -272,6 +276,10 @@ fn call_under_capture(
         // For the free: memory allocated (and ready) before any capture begins.
         let pre = d.mem_alloc_async(64, y).unwrap();
         d.stream_synchronize(y).unwrap();
+        let host_flags = cuda_stream_pool::driver::host_alloc_flags::DEVICEMAP;
+        let pre_host = d.mem_host_alloc(64, host_flags).unwrap();
+        let mut host_allocated = None;
+        let mut host_freed = false;
         let fs = foreign.map(|m| {
             let s = e.stream();
             (s, Foreign::new(d, e.ctx, s, m))
@@ -290,6 +298,10 @@ fn call_under_capture(
             Call::Query => d.stream_query(y).map(drop),
             Call::Sync => d.stream_synchronize(y),
             Call::EventQuery => d.event_query(ev).map(drop),
+            Call::HostAlloc => d
+                .mem_host_alloc(64, host_flags)
+                .map(|p| host_allocated = Some(p)),
+            Call::HostFree => d.mem_free_host(pre_host).map(|()| host_freed = true),
         };
         let r = r.err().map(|e| e.code().expect("a driver error code"));
         assert_eq!(d.thread_exchange_capture_mode(old).unwrap(), caller);
@@ -308,6 +320,12 @@ fn call_under_capture(
         }
         if !freed {
             d.mem_free_async(pre, y).unwrap();
+        }
+        if let Some(p) = host_allocated {
+            d.mem_free_host(p).unwrap();
+        }
+        if !host_freed {
+            d.mem_free_host(pre_host).unwrap();
         }
         d.stream_synchronize(y).unwrap();
         d.event_destroy(ev).unwrap();
@@ -372,6 +390,14 @@ fn free_under_capture_invalidates_unless_relaxed(d: &Arc<dyn Driver>) {
 /// cuStreamQuery, cuStreamSynchronize and cuEventQuery, on handles outside any capture.
 fn queries_and_syncs_under_capture_invalidate_unless_relaxed(d: &Arc<dyn Driver>) {
     for call in [Call::Query, Call::Sync, Call::EventQuery] {
+        check_row(d, call);
+    }
+}
+
+/// `cuMemHostAlloc`, and `cuMemFreeHost` (which the device rules relax on that assumption, and
+/// the simulation treats the same way: this row checks it on the H200).
+fn host_alloc_and_free_under_capture_invalidate_unless_relaxed(d: &Arc<dyn Driver>) {
+    for call in [Call::HostAlloc, Call::HostFree] {
         check_row(d, call);
     }
 }
@@ -491,5 +517,6 @@ on_both_drivers! {
     alloc_under_capture_invalidates_unless_relaxed,
     free_under_capture_invalidates_unless_relaxed,
     queries_and_syncs_under_capture_invalidate_unless_relaxed,
+    host_alloc_and_free_under_capture_invalidate_unless_relaxed,
     harmless_calls_keep_global_captures,
 }

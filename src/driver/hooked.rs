@@ -28,6 +28,10 @@ use std::sync::Arc;
 /// it must not change the calling thread's current context or capture mode. [`Hook::before`]
 /// only allows or refuses the call, and may block.
 ///
+/// The crate calls its driver while it holds its own locks (a stream's, a shard's of the pool,
+/// the completion hub's), so a hook must not call into the crate (contexts, owners, streams,
+/// buffers, futures) or wait for a thread that does: it would deadlock.
+///
 /// ```compile_fail,E0200
 /// use cuda_stream_pool::driver::Hook;
 /// struct Twice;

@@ -83,6 +83,9 @@ fn need(call: &'static str) -> Need {
         // kernel at cuModuleGetFunction).
         "cuCtxSynchronize"
         | "cuMemHostAlloc"
+        // Not measured on the H200; relaxed like the allocation (see the simulation's
+        // `do_mem_free_host`).
+        | "cuMemFreeHost"
         | "cuMemPoolCreate"
         | "cuMemPoolSetAttribute"
         | "cuGraphInstantiateWithFlags"

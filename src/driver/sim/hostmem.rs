@@ -132,6 +132,10 @@ impl SimDriver {
 
     pub(super) fn do_mem_free_host(&self, host: *mut u8) -> Result<()> {
         let mut st = self.enter("cuMemFreeHost", None, None, None)?;
+        // Treated as `cuMemHostAlloc` is (a call of the invalidation table): not measured on the
+        // H200, where a free that waits for every stream of the device would be at least as
+        // harmful to a capture (so the simulation is the stricter of the two).
+        self.unsafe_call(&mut st, "cuMemFreeHost")?;
         let h = host as usize;
         let Some(dev) = st.host_mem.by_host.remove(&h) else {
             Self::note_misuse(
