@@ -27,7 +27,11 @@
 //!
 //! On the GPU machine, after `scripts/gpu-bundle.sh --features cudarc --example sanitizer_stress`:
 //!
-//!   compute-sanitizer --tool memcheck --leak-check full .gpu/bin/sanitizer_stress --gpu
+//!   compute-sanitizer --tool memcheck --report-api-errors no --leak-check full \
+//!       .gpu/bin/sanitizer_stress --gpu --no-gates
+//!
+//! (`--no-gates` under memcheck, which serializes the device's work: a stream held busy by a
+//! gate then stalls every thread that waits for the GPU, the gate's opener too.)
 //!
 //! What the leaks keep for ever, and so what `--leak-check full` may list (the summary line
 //! counts them): the 256-byte buffers filled in leaked captures (their free is ordered on a
@@ -1659,6 +1663,7 @@ pub fn run(cfg: &Config) -> R<Summary> {
     let leaked_allocs = c.leaked_allocs.load(Ordering::Relaxed);
     s.leaked_allocs = leaked_allocs;
     let Env {
+        drv,
         ctx,
         k,
         leak_sim,
@@ -1670,6 +1675,12 @@ pub fn run(cfg: &Config) -> R<Summary> {
     gates.free()?;
     drop(k);
     drop(ctx);
+    if sim.is_none() {
+        // The page-locked memory that the teardowns of the shared context and the short-lived
+        // ones kept for later states (see `release_pinned_cache`): freed, so that memcheck's
+        // leak report lists only what the leaks keep.
+        cuda_stream_pool::release_pinned_cache(&*drv).at("release_pinned_cache")?;
+    }
     if let (Some(sim), Some(leak_sim)) = (&sim, &leak_sim) {
         // Nothing of the shared context nor of the short-lived ones is left (some teardowns
         // run on a thread of their own, or at a later call: wait for them).
