@@ -174,6 +174,7 @@ CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev);
 /* ---- contexts ---------------------------------------------------------------------------- */
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev);
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetDevice(CUdevice *device);

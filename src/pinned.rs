@@ -34,8 +34,8 @@ pub(crate) struct Home {
     pub(crate) device: Device,
     /// Whether `ctx` may be the device's primary context: a state of the primary context, or
     /// an adopted one kept alive by another crate's handle (cudarc's contexts are primary).
-    /// Only then does a teardown ask (with a retain, which would activate an inactive primary
-    /// context) whether it is.
+    /// Only then does a teardown ask whether it is (`cuDevicePrimaryCtxGetState`, then a
+    /// retain only if the primary context is active: a retain would activate an inactive one).
     pub(crate) maybe_primary: bool,
 }
 
@@ -110,6 +110,13 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
             s.blocks.extend(blocks);
             return Vec::new();
         }
+    }
+    // An inactive primary context is not `home.ctx` (which is alive): no retain then, which
+    // would activate (create) it. (A primary context released by its last holder between
+    // this question and the retain below is activated again, and released at once.)
+    match home.driver.primary_ctx_state(home.device) {
+        Ok((_, true)) => {}
+        Ok((_, false)) | Err(_) => return blocks,
     }
     // A new shelf: its retain keeps the context (and the blocks) alive. Made outside the lock.
     // It also tells whether the context is the primary one (an adopted context may be, as

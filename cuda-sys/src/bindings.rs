@@ -368,6 +368,14 @@ pub struct CudaLib {
         unsafe extern "C" fn(dev: CUdevice) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuDevicePrimaryCtxGetState: Result<
+        unsafe extern "C" fn(
+            dev: CUdevice,
+            flags: *mut ::std::os::raw::c_uint,
+            active: *mut ::std::os::raw::c_int,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuCtxGetCurrent: Result<
         unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult,
         ::libloading::Error,
@@ -731,6 +739,9 @@ impl CudaLib {
         let cuDevicePrimaryCtxRelease_v2 = __library
             .get(b"cuDevicePrimaryCtxRelease_v2\0")
             .map(|sym| *sym);
+        let cuDevicePrimaryCtxGetState = __library
+            .get(b"cuDevicePrimaryCtxGetState\0")
+            .map(|sym| *sym);
         let cuCtxGetCurrent = __library.get(b"cuCtxGetCurrent\0").map(|sym| *sym);
         let cuCtxSetCurrent = __library.get(b"cuCtxSetCurrent\0").map(|sym| *sym);
         let cuCtxGetDevice = __library.get(b"cuCtxGetDevice\0").map(|sym| *sym);
@@ -835,6 +846,7 @@ impl CudaLib {
             cuDeviceGetAttribute,
             cuDevicePrimaryCtxRetain,
             cuDevicePrimaryCtxRelease_v2,
+            cuDevicePrimaryCtxGetState,
             cuCtxGetCurrent,
             cuCtxSetCurrent,
             cuCtxGetDevice,
@@ -974,6 +986,17 @@ impl CudaLib {
             .cuDevicePrimaryCtxRelease_v2
             .as_ref()
             .expect("Expected function, got error."))(dev)
+    }
+    pub unsafe fn cuDevicePrimaryCtxGetState(
+        &self,
+        dev: CUdevice,
+        flags: *mut ::std::os::raw::c_uint,
+        active: *mut ::std::os::raw::c_int,
+    ) -> CUresult {
+        (self
+            .cuDevicePrimaryCtxGetState
+            .as_ref()
+            .expect("Expected function, got error."))(dev, flags, active)
     }
     pub unsafe fn cuCtxGetCurrent(&self, pctx: *mut CUcontext) -> CUresult {
         (self.cuCtxGetCurrent.as_ref().expect("Expected function, got error."))(pctx)

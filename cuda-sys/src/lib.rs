@@ -164,7 +164,7 @@ pub fn introduced_in(symbol: &str) -> &'static str {
             "5.5"
         }
         "cuGetErrorName" | "cuGetErrorString" | "cuStreamGetFlags" => "6.0",
-        "cuDevicePrimaryCtxRetain" => "7.0",
+        "cuDevicePrimaryCtxRetain" | "cuDevicePrimaryCtxGetState" => "7.0",
         "cuStreamDestroy_v2" | "cuEventDestroy_v2" | "cuCtxGetCurrent" | "cuCtxSetCurrent" => "4.0",
         "cuMemGetInfo_v2"
         | "cuMemcpyHtoDAsync_v2"

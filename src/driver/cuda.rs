@@ -225,6 +225,17 @@ unsafe impl Driver for CudaDriver {
         Ok(Context(handle(c)))
     }
 
+    fn primary_ctx_state(&self, dev: Device) -> Result<(u32, bool)> {
+        let f = sym!(self.cuDevicePrimaryCtxGetState);
+        let (mut flags, mut active): (std::os::raw::c_uint, std::os::raw::c_int) = (0, 0);
+        // SAFETY: out-parameters are live locals; the device is a plain value.
+        self.check(
+            unsafe { f(dev.0 as ffi::CUdevice, &mut flags, &mut active) },
+            "cuDevicePrimaryCtxGetState",
+        )?;
+        Ok((flags, active != 0))
+    }
+
     unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
         let f = sym!(self.cuDevicePrimaryCtxRelease_v2);
         // SAFETY: plain value argument; releases one retain made by primary_ctx_retain.

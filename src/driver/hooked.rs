@@ -136,6 +136,11 @@ unsafe impl<H: Hook> Driver for Hooked<H> {
             self.inner.primary_ctx_retain(dev)
         })
     }
+    fn primary_ctx_state(&self, dev: Device) -> Result<(u32, bool)> {
+        self.hook.call("cuDevicePrimaryCtxGetState", || {
+            self.inner.primary_ctx_state(dev)
+        })
+    }
     unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
         self.hook.call("cuDevicePrimaryCtxRelease_v2", || {
             // SAFETY: forwarded with the caller's contract.

@@ -403,6 +403,12 @@ pub unsafe trait Driver: Send + Sync + 'static {
     /// # Errors
     /// The driver's error (see [`Driver`](Driver#errors)).
     unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()>;
+    /// `cuDevicePrimaryCtxGetState`: the primary context's flags and whether it is active
+    /// (retained by someone). Asking does not activate it (a retain would).
+    ///
+    /// # Errors
+    /// The driver's error (see [`Driver`](Driver#errors)).
+    fn primary_ctx_state(&self, dev: Device) -> Result<(u32, bool)>;
     /// `cuCtxGetCurrent`; [`Context::NULL`] when none is current.
     ///
     /// # Errors

@@ -55,6 +55,7 @@ fn need(call: &'static str) -> Need {
         | "cuDeviceGetAttribute"
         | "cuDevicePrimaryCtxRetain"
         | "cuDevicePrimaryCtxRelease_v2"
+        | "cuDevicePrimaryCtxGetState"
         | "cuDeviceGetDefaultMemPool"
         | "cuCtxGetCurrent"
         | "cuCtxSetCurrent"

@@ -539,6 +539,58 @@ impl SimDriver {
         });
     }
 
+    /// A context of device `dev` that is not its primary one (what `cuCtxCreate` makes), alive
+    /// until [`SimDriver::destroy_context`]. For tests of adopted contexts.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::driver::{Device, Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// let c = sim.create_context(Device(0)).unwrap();
+    /// assert_eq!(sim.counters().live_contexts, 1);
+    /// assert_eq!(sim.primary_ctx_state(Device(0)).unwrap(), (0, false)); // not the primary
+    /// sim.destroy_context(c).unwrap();
+    /// assert_eq!(sim.counters().live_contexts, 0);
+    /// ```
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_INVALID_DEVICE` for a device the simulation does not have.
+    pub fn create_context(&self, dev: Device) -> Result<Context> {
+        let mut st = self.lock();
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "sim:create_context",
+            );
+        }
+        let c = Self::new_id(&mut st);
+        st.contexts.insert(c, (dev.0, 1));
+        st.counters.live_contexts += 1;
+        Ok(Context(c))
+    }
+
+    /// Destroys a context made by [`SimDriver::create_context`].
+    ///
+    /// # Errors
+    /// `CUDA_ERROR_INVALID_CONTEXT` for anything else (recorded as misuse).
+    pub fn destroy_context(&self, ctx: Context) -> Result<()> {
+        let mut st = self.lock();
+        let primary = st.primary.values().any(|c| *c == ctx.0);
+        if primary || st.contexts.remove(&ctx.0).is_none() {
+            Self::note_misuse(
+                &mut st,
+                format!("sim:destroy_context of {:#x}: not a created context", ctx.0),
+            );
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_CONTEXT,
+                "sim:destroy_context",
+            );
+        }
+        st.counters.live_contexts -= 1;
+        Ok(())
+    }
+
     /// The memory-ordering findings among [`SimDriver::misuse`]: races (`"race: ..."`), use
     /// after free (`"use-after-free: ..."`), uninitialised reads (`"uninitialised read: ..."`)
     /// and accesses to graph-owned memory before the graph ran.
@@ -710,6 +762,23 @@ unsafe impl Driver for SimDriver {
             st.counters.live_contexts += 1;
         }
         Ok(Context(ctx))
+    }
+
+    fn primary_ctx_state(&self, dev: Device) -> Result<(u32, bool)> {
+        let mut st = self.enter("cuDevicePrimaryCtxGetState", None, None, None)?;
+        if dev.0 >= self.cfg.devices as u64 {
+            return Self::fail(
+                &mut st,
+                ErrorCode::ERROR_INVALID_DEVICE,
+                "cuDevicePrimaryCtxGetState",
+            );
+        }
+        let active = st
+            .primary
+            .get(&dev.0)
+            .and_then(|c| st.contexts.get(c))
+            .is_some_and(|e| e.1 > 0);
+        Ok((0, active))
     }
 
     unsafe fn primary_ctx_release(&self, dev: Device) -> Result<()> {
