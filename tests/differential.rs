@@ -7,7 +7,7 @@ mod common;
 
 use common::{Env, Gate};
 use cuda_stream_pool::driver::{
-    stream_flags, CaptureMode, CaptureStatus, DevicePtr, Driver, Stream,
+    stream_flags, CaptureMode, CaptureStatus, Device, DevicePtr, Driver, Stream,
 };
 use cuda_stream_pool::kernels::PTX;
 use std::ffi::CStr;
@@ -563,7 +563,25 @@ fn host_mapped_write_and_wait(d: &Arc<dyn Driver>) {
     }
 }
 
+/// `cuDevicePrimaryCtxGetState` reports a retained primary context as active, and asking
+/// does not retain it (the crate asks before it would retain: a retain activates an inactive
+/// one).
+fn primary_ctx_state_reports_a_retained_context_active(d: &Arc<dyn Driver>) {
+    d.init().unwrap();
+    let dev = d.device_get(0).unwrap();
+    let _c = d.primary_ctx_retain(dev).unwrap();
+    let (_, active) = d.primary_ctx_state(dev).unwrap();
+    assert!(active, "a retained primary context is active");
+    // SAFETY: retained once above; nothing uses it.
+    unsafe { d.primary_ctx_release(dev) }.unwrap();
+    assert!(
+        d.primary_ctx_state(Device(u32::MAX as u64)).is_err(),
+        "no such device"
+    );
+}
+
 on_both_drivers! {
+    primary_ctx_state_reports_a_retained_context_active,
     query_idle_and_busy,
     event_orders_across_streams,
     event_rerecord_keeps_earlier_wait,
