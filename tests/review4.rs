@@ -1,0 +1,231 @@
+//! Review 4: attacks on the changes after 0240690 (`release_pinned_cache` keeping what it could
+//! not free or release, `cuMemFreeHost` in relaxed mode) and on the device rules around the
+//! pinned cache, on the simulated driver. A test whose comment says "FAILS" demonstrates a
+//! defect and fails on the code it was written against; the others are passing evidence.
+
+use cuda_stream_pool::driver::{CaptureMode, Context as RawCtx, Driver, Hook, Hooked, SimDriver};
+use cuda_stream_pool::{release_pinned_cache, Context, ErrorCode};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+/// Uses a primary context's completion flags (a host-mapped slab) and tears the context down:
+/// one block lands on the context's shelf (with the shelf's retain).
+fn use_and_drop(d: &Arc<dyn Driver>, sim: &SimDriver) -> cuda_stream_pool::Result<()> {
+    let ctx = Context::primary(d.clone(), 0)?;
+    let owner = ctx.owner();
+    let s = owner.stream()?;
+    let done = s.completed()?;
+    sim.advance(0);
+    let _ = done.is_complete();
+    drop((done, s));
+    drop((owner, ctx));
+    Ok(())
+}
+
+/// Records the thread's current context at every `cuMemFreeHost` that reaches the driver.
+struct FreeCtx {
+    sim: Arc<SimDriver>,
+    seen: Mutex<Vec<RawCtx>>,
+}
+
+// SAFETY: `before` only reads the simulation's current context (no call into the crate, no
+// change of the thread's context or mode); the default `call` calls the driver once.
+unsafe impl Hook for FreeCtx {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        if call == "cuMemFreeHost" {
+            let c = self.sim.ctx_get_current()?;
+            self.seen.lock().unwrap().push(c);
+        }
+        Ok(())
+    }
+}
+
+// FAILS (defect, medium): the device rules make a context current only while they know one
+// (`DeviceRules::ctx != 0`, src/driver/rules.rs `prepare`); a shelf frees through the torn-down
+// state's rules (src/pinned.rs `Home::driver`, "the context set"), whose context the teardown
+// reset to NULL (src/context.rs, end of `CtxInner::teardown`: `set_context(NULL)`). So
+// `release_pinned_cache` calls `cuMemFreeHost` in whatever context the calling thread has
+// current: none at all in the usual end-of-program call (the real driver answers
+// CUDA_ERROR_INVALID_CONTEXT, so the blocks are never freed), or another device's context.
+// This breaks "every raw driver call ... makes the context current". The simulation does not
+// check the current context at `cuMemFreeHost`, so this hook looks at it.
+#[test]
+fn release_pinned_cache_frees_each_block_with_its_context_current() {
+    let sim = Arc::new(SimDriver::new());
+    let hooked = Arc::new(Hooked {
+        inner: sim.clone() as Arc<dyn Driver>,
+        hook: FreeCtx {
+            sim: sim.clone(),
+            seen: Mutex::new(Vec::new()),
+        },
+    });
+    let d: Arc<dyn Driver> = hooked.clone();
+    let raw = {
+        let ctx = Context::primary(d.clone(), 0).unwrap();
+        ctx.raw()
+    };
+    use_and_drop(&d, &sim).unwrap();
+    assert_eq!(sim.counters().live_host_allocs, 1);
+    assert_eq!(sim.ctx_get_current().unwrap(), RawCtx::NULL);
+    assert_eq!(release_pinned_cache(&*hooked).unwrap(), 1);
+    assert_eq!(sim.counters().live_host_allocs, 0);
+    let seen = hooked.hook.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![raw],
+        "cuMemFreeHost of a shelved block ran with context {seen:?} current, not its own {raw:?}"
+    );
+}
+
+// Passing evidence (change 3): `release_pinned_cache` on a thread in global mode while another
+// thread captures a stream in global mode: the free runs relaxed, the capture survives.
+#[test]
+fn release_pinned_cache_leaves_another_threads_global_capture_valid() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop(&d, &sim).unwrap();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let (began_tx, began_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let t = std::thread::spawn({
+        let ctx = ctx.clone();
+        move || {
+            let owner = ctx.owner();
+            let s = owner.stream().unwrap();
+            let g = s.begin_capture_with(CaptureMode::Global).unwrap();
+            began_tx.send(()).unwrap();
+            go_rx.recv().unwrap();
+            g.end().map(drop)
+        }
+    });
+    began_rx.recv().unwrap();
+    // (ctx holds its own state: the shelved block is of the earlier state; `take` by this
+    // live state happens only at its first completion, which it has not made.)
+    let freed = release_pinned_cache(&*d).unwrap();
+    go_tx.send(()).unwrap();
+    t.join()
+        .unwrap()
+        .expect("the other thread's global capture was invalidated");
+    assert_eq!(freed, 1);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+// Passing evidence (change 3): `release_pinned_cache` on a thread that itself captures a stream
+// in global mode: its own capture survives, and its mode is restored.
+#[test]
+fn release_pinned_cache_leaves_the_callers_own_global_capture_valid() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    use_and_drop(&d, &sim).unwrap();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let g = s.begin_capture_with(CaptureMode::Global).unwrap();
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 1);
+    let m = sim
+        .thread_exchange_capture_mode(CaptureMode::Global)
+        .unwrap();
+    assert_eq!(
+        m,
+        CaptureMode::Global,
+        "the caller's capture mode was not restored"
+    );
+    let _graph = g
+        .end()
+        .expect("the caller's own global capture was invalidated");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+/// Whether `sim` reports a double free or another misuse of host memory or contexts.
+fn assert_clean(sim: &SimDriver, what: &str) {
+    let m = sim.misuse();
+    assert!(m.is_empty(), "{what}: {m:?}");
+}
+
+thread_local! {
+    /// Set on the threads that call `release_pinned_cache` in the race below.
+    static RELEASER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Fails every fifth `cuMemFreeHost` and `cuDevicePrimaryCtxRelease_v2` made on a releasing
+/// thread (so only `release_pinned_cache`'s own calls fail, never a teardown's).
+#[derive(Default)]
+struct Flaky(AtomicUsize);
+
+// SAFETY: `before` only refuses calls (no driver call, no call into the crate); the default
+// `call` calls the driver at most once.
+unsafe impl Hook for Flaky {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        let mine = RELEASER.with(|r| r.get());
+        if mine
+            && (call == "cuMemFreeHost" || call == "cuDevicePrimaryCtxRelease_v2")
+            && self.0.fetch_add(1, Ordering::Relaxed) % 5 == 0
+        {
+            return Err(cuda_stream_pool::Error::driver(
+                ErrorCode::ERROR_UNKNOWN,
+                call,
+            ));
+        }
+        Ok(())
+    }
+}
+
+// Passing evidence (change 2): concurrent `release_pinned_cache` calls race teardowns and new
+// states of the same primary context, their frees and releases failing now and then. No block
+// is freed twice (the simulation notes it as misuse), the retain count never drops below what a
+// live context holds (a long-lived context stays live), and once nothing fails any more, a
+// final release frees and releases everything.
+#[test]
+fn concurrent_releases_racing_teardowns_with_failures_lose_nothing_and_free_nothing_twice() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = Arc::new(Hooked {
+        inner: sim.clone() as Arc<dyn Driver>,
+        hook: Flaky::default(),
+    });
+    let keeper = Context::primary(d.clone(), 0).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let freed = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let mut threads = Vec::new();
+    for i in 0..4 {
+        let (d, sim, stop) = (d.clone(), sim.clone(), stop.clone());
+        let (freed, failed) = (freed.clone(), failed.clone());
+        threads.push(std::thread::spawn(move || {
+            let releaser = i % 2 == 1;
+            RELEASER.with(|r| r.set(releaser));
+            while !stop.load(Ordering::Relaxed) {
+                if !releaser {
+                    use_and_drop(&d, &sim).unwrap();
+                    continue;
+                }
+                match release_pinned_cache(&*d) {
+                    Ok(k) => freed.fetch_add(k, Ordering::Relaxed),
+                    Err(_) => failed.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        }));
+    }
+    // Progress, not time, decides when the race stops: enough shelving and releasing happened.
+    while freed.load(Ordering::Relaxed) < 300 || failed.load(Ordering::Relaxed) < 30 {
+        std::thread::yield_now();
+        sim.clear_calls();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_clean(&sim, "during the race");
+    assert!(
+        sim.counters().live_contexts >= 1,
+        "a shelf released a retain it did not hold: the live context's primary context is gone"
+    );
+    // Nothing fails on this thread: one call frees and releases all that is left.
+    release_pinned_cache(&*d).unwrap();
+    assert_clean(&sim, "after the race");
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 1), "{c:?}");
+    drop(keeper); // (it made no completion: nothing of it is shelved)
+    assert_eq!(release_pinned_cache(&*d).unwrap(), 0);
+    let c = sim.counters();
+    assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+}
