@@ -407,3 +407,79 @@ mod model_hooks {
         drop((fut_a, fut_b, ctx_a, ctx_b));
     }
 }
+
+/// A waker that, when woken (on the context's completion poller), drops the context it holds
+/// (the last one) and then releases the pinned cache, reporting the result.
+struct DropsAndReleases {
+    ctx: Mutex<Option<Context>>,
+    driver: Arc<dyn Driver>,
+    tx: Mutex<Option<mpsc::Sender<cuda_stream_pool::Result<usize>>>>,
+}
+
+impl std::task::Wake for DropsAndReleases {
+    fn wake(self: Arc<Self>) {
+        drop(self.ctx.lock().unwrap().take());
+        let r = release_pinned_cache(&*self.driver);
+        if let Some(tx) = self.tx.lock().unwrap().take() {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+// Passing evidence: a waker run by the completion poller that drops the last context (its
+// teardown is handed to a thread of its own) and releases the pinned cache while that teardown
+// may be shelving the context's slab: no double free, no free of a slab the poller still reads,
+// and afterwards everything can be released.
+#[test]
+fn a_poller_waker_dropping_the_last_context_and_releasing_the_cache_frees_nothing_in_use() {
+    for _ in 0..20 {
+        let sim = Arc::new(SimDriver::new());
+        let d: Arc<dyn Driver> = sim.clone();
+        use_and_drop(&d, &sim).unwrap(); // one slab shelved
+        let ctx = Context::primary(d.clone(), 0).unwrap();
+        let owner = ctx.owner();
+        let s = owner.stream().unwrap();
+        sim.enqueue_work(s.raw(), 1_000).unwrap();
+        let mut done = s.completed().unwrap(); // takes the shelved slab
+        drop(s);
+        drop(owner);
+        let (tx, rx) = mpsc::channel();
+        let w = std::task::Waker::from(Arc::new(DropsAndReleases {
+            ctx: Mutex::new(Some(ctx)),
+            driver: d.clone(),
+            tx: Mutex::new(Some(tx)),
+        }));
+        let p = std::future::Future::poll(
+            std::pin::Pin::new(&mut done),
+            &mut std::task::Context::from_waker(&w),
+        );
+        assert!(p.is_pending());
+        drop(w);
+        // The poller keeps the waker, which now holds the last handle of the context.
+        drop(done);
+        sim.advance(1_000);
+        let r = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the poller never ran the waker (hang guard)");
+        assert!(r.is_ok(), "{r:?}");
+        // The teardown runs on a thread of its own: its end is awaited by its effect (the
+        // context released, the slab shelved and then freed here), not by time.
+        let mut spins = 0u64;
+        loop {
+            release_pinned_cache(&*d).unwrap();
+            let c = sim.counters();
+            if (c.live_host_allocs, c.live_contexts) == (0, 0) {
+                break;
+            }
+            spins += 1;
+            assert!(
+                spins < 10_000_000,
+                "the teardown never ended: {c:?} (hang guard)"
+            );
+            std::thread::yield_now();
+        }
+        assert_clean(&sim, "after the race");
+        let c = sim.counters();
+        assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
+    }
+}
