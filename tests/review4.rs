@@ -483,3 +483,57 @@ fn a_poller_waker_dropping_the_last_context_and_releasing_the_cache_frees_nothin
         assert_eq!((c.live_host_allocs, c.live_contexts), (0, 0), "{c:?}");
     }
 }
+
+/// Refuses the second `cuCtxSetCurrent` made through it (the crate's switch back to the
+/// caller's context after the one that made its own current): a hook may refuse any call.
+#[derive(Default)]
+struct RefuseSecondSetCurrent(AtomicUsize);
+
+// SAFETY: `before` only refuses a call (no driver call, no call into the crate); the default
+// `call` calls the driver at most once.
+unsafe impl Hook for RefuseSecondSetCurrent {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        if call == "cuCtxSetCurrent" && self.0.fetch_add(1, Ordering::SeqCst) == 1 {
+            return Err(cuda_stream_pool::Error::driver(
+                ErrorCode::ERROR_UNKNOWN,
+                call,
+            ));
+        }
+        Ok(())
+    }
+}
+
+// FAILS (defect, low): the crate docs promise that the thread's current context is restored
+// after every public call, but `DeviceRules::restore` (src/driver/rules.rs, `restore`) ignores
+// a failed switch back ("cannot fail on a live driver"), and nothing retries it: the caller's
+// context is lost for good (every later scope finds the crate's context current and "restores"
+// that), and the crate's context stays current on the caller's thread after the context's
+// teardown released it. A `Hook` may refuse any call (its contract), and the simulation's
+// injected faults do the same (see `the_callers_context_and_mode_survive_a_failure_at_any_call`).
+#[test]
+fn a_refused_switch_back_still_restores_the_callers_context() {
+    let sim = Arc::new(SimDriver::with_config(
+        cuda_stream_pool::driver::SimConfig {
+            devices: 2,
+            ..Default::default()
+        },
+    ));
+    sim.init().unwrap();
+    let other = sim.primary_ctx_retain(sim.device_get(1).unwrap()).unwrap();
+    sim.set_thread_context(other);
+    let d: Arc<dyn Driver> = Arc::new(Hooked {
+        inner: sim.clone() as Arc<dyn Driver>,
+        hook: RefuseSecondSetCurrent::default(),
+    });
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    let restored_after_create = sim.thread_state().0;
+    let owner = ctx.owner();
+    drop(owner.stream().unwrap());
+    drop(owner);
+    drop(ctx);
+    assert_eq!(
+        (restored_after_create, sim.thread_state().0),
+        (other, other),
+        "the caller's context (device 1's) was replaced by the crate's for good"
+    );
+}
