@@ -537,3 +537,35 @@ fn a_refused_switch_back_still_restores_the_callers_context() {
         "the caller's context (device 1's) was replaced by the crate's for good"
     );
 }
+
+// Passing evidence: a leaked capture guard (the stream stays capturing for good), then the
+// context's teardown and a release of the pinned cache: the slab is shelved and freed without
+// misuse, the capturing stream is never synchronized or destroyed (it is leaked), and a later
+// state of the context works.
+#[test]
+fn a_leaked_capture_guard_then_teardown_and_release_frees_nothing_in_use() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    {
+        let ctx = Context::primary(d.clone(), 0).unwrap();
+        let owner = ctx.owner();
+        let s = owner.stream().unwrap();
+        let done = s.completed().unwrap();
+        sim.advance(0);
+        assert!(done.is_complete());
+        sim.enqueue_work(s.raw(), 1_000).unwrap();
+        std::mem::forget(s.begin_capture().unwrap());
+        let other = ctx.owner();
+        let t = other.stream().unwrap();
+        let late = t.completed().unwrap(); // pending: lands only after the advance below
+        drop((done, s, t));
+        drop((owner, other, ctx));
+        sim.advance(1_000);
+        drop(late);
+    }
+    let _ = release_pinned_cache(&*d).unwrap();
+    assert_clean(&sim, "after a leaked capture");
+    use_and_drop(&d, &sim).unwrap();
+    let _ = release_pinned_cache(&*d).unwrap();
+    assert_clean(&sim, "a later state");
+}
