@@ -229,7 +229,7 @@ impl Config {
                 "--watchdog" => c.watchdog_s = num("--watchdog")?,
                 "--prewarm" => c.prewarm = num("--prewarm")? as usize,
                 "--sim" => c.sim = true,
-"--gpu" => c.gpu = true,
+                "--gpu" => c.gpu = true,
                 "--no-gates" => c.gates = false,
                 "-h" | "--help" => {
                     return Err(
