@@ -365,7 +365,7 @@ impl Drop for Graph {
         off_host_fn_thread(move || {
             let d = &*ctx.inner.driver;
             // SAFETY: the graph is ours; nothing uses it after this.
-            let _ = unsafe { d.graph_destroy(raw) };
+            crate::driver::tries(|| unsafe { d.graph_destroy(raw) });
             drop(uses);
         });
     }
@@ -510,7 +510,7 @@ impl Drop for GraphExec {
             let d = &*ctx.inner.driver;
             // SAFETY: the exec is ours; a launch in flight completes (the driver frees it
             // then). The buffers are dropped after this, their frees ordered after the launches.
-            let _ = unsafe { d.graph_exec_destroy(raw) };
+            crate::driver::tries(|| unsafe { d.graph_exec_destroy(raw) });
             drop(uses);
         });
     }

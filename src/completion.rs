@@ -160,35 +160,14 @@ impl Hub {
     }
 
     /// A free slot and its next sequence number; grows by a slab (the context must be current).
+    /// The slab is allocated without the hub's lock (driver calls, whose hooks may block, are
+    /// never made under it): two threads that find no free slot at once may both add one.
     fn take_slot(&self) -> Result<(usize, usize, DevicePtr, u64)> {
         let mut st = lock(&self.state);
         if st.free.is_empty() {
-            let (bytes, flags) = (SLAB_BYTES, SLAB_FLAGS);
-            // A slab of an earlier state of the context, or a new one.
-            let host = match pinned::take(&self.home, bytes, flags) {
-                Some(b) => b.host as *mut u8,
-                None => self.driver.mem_host_alloc(bytes, flags)?,
-            };
-            // SAFETY: `host` is a live allocation made with DEVICEMAP.
-            let dev = match unsafe { self.driver.mem_host_get_device_pointer(host) } {
-                Ok(d) => d,
-                Err(e) => {
-                    let b = Block {
-                        host: host as usize,
-                        bytes,
-                        flags,
-                    };
-                    // Back to the shelf (an adopted context's is freed: nothing uses it).
-                    for b in pinned::give(&self.home, vec![b]) {
-                        // SAFETY: the block just taken or allocated, used by no one.
-                        let _ = unsafe { pinned::free(&*self.driver, b) };
-                    }
-                    return Err(e);
-                }
-            };
-            // SAFETY: the slab is SLAB_SLOTS * 8 bytes; nothing uses it (a shelved one's writes
-            // all landed before it was shelved): its old sequence numbers are cleared.
-            unsafe { std::ptr::write_bytes(host, 0, bytes) };
+            drop(st);
+            let (host, dev) = self.new_slab()?;
+            st = lock(&self.state);
             let base = st.slabs.len() * SLAB_SLOTS;
             st.slabs.push(Slab { host, dev });
             st.next_seq.extend(std::iter::repeat_n(1, SLAB_SLOTS));
@@ -205,6 +184,36 @@ impl Hub {
             DevicePtr(slab.dev.0 + off as u64),
             seq,
         ))
+    }
+
+    /// A slab of flags, cleared: one of an earlier state of the context, or a new one.
+    fn new_slab(&self) -> Result<(*mut u8, DevicePtr)> {
+        let (bytes, flags) = (SLAB_BYTES, SLAB_FLAGS);
+        let host = match pinned::take(&self.home, bytes, flags) {
+            Some(b) => b.host as *mut u8,
+            None => self.driver.mem_host_alloc(bytes, flags)?,
+        };
+        // SAFETY: `host` is a live allocation made with DEVICEMAP.
+        let dev = match unsafe { self.driver.mem_host_get_device_pointer(host) } {
+            Ok(d) => d,
+            Err(e) => {
+                let b = Block {
+                    host: host as usize,
+                    bytes,
+                    flags,
+                };
+                // Back to the shelf (an adopted context's is freed: nothing uses it).
+                for b in pinned::give(&self.home, vec![b]) {
+                    // SAFETY: the block just taken or allocated, used by no one.
+                    crate::driver::tries(|| unsafe { pinned::free(&*self.driver, b) });
+                }
+                return Err(e);
+            }
+        };
+        // SAFETY: the slab is SLAB_SLOTS * 8 bytes; nothing uses it (a shelved one's writes
+        // all landed before it was shelved): its old sequence numbers are cleared.
+        unsafe { std::ptr::write_bytes(host, 0, bytes) };
+        Ok((host, dev))
     }
 
     fn give_back_slot(&self, slot: usize) {
@@ -338,13 +347,15 @@ impl Hub {
         {
             return Ok(Staging { addr: p, class });
         }
+        // Allocated without the hub's lock (no driver call under it).
+        drop(st);
         let p = match pinned::take(&self.home, class, host_alloc_flags::PORTABLE) {
             Some(b) => b.host as *mut u8,
             None => self
                 .driver
                 .mem_host_alloc(class, host_alloc_flags::PORTABLE)?,
         };
-        st.staging_all.push((p as usize, class));
+        lock(&self.state).staging_all.push((p as usize, class));
         Ok(Staging {
             addr: p as usize,
             class,
@@ -445,7 +456,7 @@ impl Hub {
         // of the device). An adopted context's are freed: it may be destroyed after this.
         for b in pinned::give(&self.home, blocks) {
             // SAFETY: as above, nothing uses the block; given back by the shelf, freed once.
-            let _ = unsafe { pinned::free(&*self.driver, b) };
+            crate::driver::tries(|| unsafe { pinned::free(&*self.driver, b) });
         }
         lock(&self.state).staging.clear();
     }

@@ -380,7 +380,7 @@ impl Context {
             Err(e) => {
                 rules.hook.set_context(driver::Context::NULL);
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
-                let _ = unsafe { rules.primary_ctx_release(device) };
+                driver::tries(|| unsafe { rules.primary_ctx_release(device) });
                 Err(e)
             }
         }
@@ -499,7 +499,7 @@ impl Context {
                 };
                 if let Err(e) = set {
                     // SAFETY: ours, unused, destroyed once.
-                    let _ = unsafe { driver.mem_pool_destroy(pool) };
+                    driver::tries(|| unsafe { driver.mem_pool_destroy(pool) });
                     return Err(e);
                 }
                 (pool, true)
@@ -510,7 +510,7 @@ impl Context {
             Err(e) => {
                 if own_pool {
                     // SAFETY: ours, unused, destroyed once.
-                    let _ = unsafe { driver.mem_pool_destroy(mem_pool) };
+                    driver::tries(|| unsafe { driver.mem_pool_destroy(mem_pool) });
                 }
                 return Err(e);
             }
@@ -944,6 +944,7 @@ impl CtxInner {
         self.hub.get_or_init(|| {
             crate::completion::Hub::new(crate::pinned::Home {
                 driver: self.driver.clone(),
+                raw: self.rules.inner.clone(),
                 world: self.rules.inner.world(),
                 ctx: self.raw,
                 device: self.device,
@@ -1232,8 +1233,9 @@ impl CtxInner {
         } else {
             drop(ev);
             // SAFETY: the event is ours and no longer in the cache; enqueued waits keep their
-            // record (destroying an event with pending waits is allowed).
-            let _ = unsafe { self.driver.event_destroy(e) };
+            // record (destroying an event with pending waits is allowed); a failed destroy had no
+            // effect, so it is tried again.
+            driver::tries(|| unsafe { self.driver.event_destroy(e) });
         }
     }
 
@@ -1513,7 +1515,9 @@ impl CtxInner {
         }
         self.flush(true);
         for p in self.all_pools() {
-            let _ = p.drain(&*self.driver, true, 0);
+            // A failed call had no effect: the streams it could not wait for or destroy are
+            // tried again (a transient failure must not leak them and, below, the modules).
+            driver::tries(|| p.drain(&*self.driver, true, 0).map(drop));
         }
         self.flush(true);
         if !self.lent.get_mut().is_empty() {
@@ -1539,10 +1543,11 @@ impl CtxInner {
         {
             let mut st = self.disposal.lock();
             // SAFETY: the disposal stream lives until just below; never captured.
-            if unsafe { self.driver.stream_synchronize(self.disposal.raw) }.is_ok() {
+            if driver::tries(|| unsafe { self.driver.stream_synchronize(self.disposal.raw) }) {
                 st.destroy();
-                // SAFETY: idle, and nothing can enqueue on it any more (the state is going).
-                let _ = unsafe { self.driver.stream_destroy(self.disposal.raw) };
+                // SAFETY: idle, and nothing can enqueue on it any more (the state is going);
+                // a failed destroy had no effect, so it is tried again.
+                driver::tries(|| unsafe { self.driver.stream_destroy(self.disposal.raw) });
             }
         }
         // Modules: unloaded only when every stream of the context was drained (their kernels
@@ -1554,23 +1559,24 @@ impl CtxInner {
                 // SAFETY: loaded by `module`, unloaded once; no kernel of it is pending (every
                 // stream drained above) and none can be launched (every `Kernels` holds this
                 // state alive).
-                let _ = unsafe { self.driver.module_unload(m) };
+                driver::tries(|| unsafe { self.driver.module_unload(m) });
             }
         }
         for e in self.events.get_mut().drain(..) {
             // SAFETY: the cached events are ours; nothing records them any more.
-            let _ = unsafe { self.driver.event_destroy(e) };
+            driver::tries(|| unsafe { self.driver.event_destroy(e) });
         }
         if self.own_pool {
             // SAFETY: the crate's pool, destroyed once; every buffer of this state is gone, so
             // nothing allocates from it again. The driver keeps the memory of allocations still
             // outstanding (frees in flight, or leaked above) until they are freed.
-            let _ = unsafe { self.driver.mem_pool_destroy(self.mem_pool) };
+            driver::tries(|| unsafe { self.driver.mem_pool_destroy(self.mem_pool) });
         }
         // (No stream is lent any more: a state with loans out lingers, above.)
         if self.primary {
-            // SAFETY: retained once by `Context::primary`; nothing of this state uses it now.
-            let _ = unsafe { self.driver.primary_ctx_release(self.device) };
+            // SAFETY: retained once by `Context::primary`; nothing of this state uses it now
+            // (released once: a failed release had no effect).
+            driver::tries(|| unsafe { self.driver.primary_ctx_release(self.device) });
         }
         // Whoever still holds this driver (`Context::driver`) makes calls in no context now.
         self.rules.hook.set_context(driver::Context::NULL);

@@ -24,9 +24,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 /// Where blocks come from and go back to: a CUDA context of a driver.
 #[derive(Clone)]
 pub(crate) struct Home {
-    /// The context's driver behind the device rules (the context set): the shelf frees
-    /// through it.
+    /// The context's driver behind the device rules (the context set): the hub frees through
+    /// it.
     pub(crate) driver: Arc<dyn Driver>,
+    /// The context's driver as given (under no rules): a shelf makes rules of its own on it
+    /// (see [`shelf_driver`]).
+    pub(crate) raw: Arc<dyn Driver>,
     /// The world of the driver under the device rules ([`Driver::world`]): the contexts and
     /// memory it shares with other driver objects (every instance of the real driver).
     pub(crate) world: usize,
@@ -56,7 +59,9 @@ pub(crate) struct Block {
 }
 
 struct Shelf {
-    /// Frees through it; keeps the driver alive (and so a world that is an address unique).
+    /// Frees through it (device rules of its own, with the shelf's context set: the state that
+    /// shelved the blocks is gone, and its rules make calls in no context any more); keeps the
+    /// driver alive (and so a world that is an address unique).
     driver: Arc<dyn Driver>,
     world: usize,
     ctx: driver::Context,
@@ -66,6 +71,18 @@ struct Shelf {
     /// plus any that could not be released ([`keep_retain`]); released by
     /// [`release_pinned_cache`].
     retains: usize,
+}
+
+/// The driver a shelf of `ctx` frees and releases through: `raw` behind device rules of its own
+/// whose context is `ctx`, so that each free is made with its context current (and in relaxed
+/// capture mode), and the caller's thread state restored after it.
+fn shelf_driver(raw: &Arc<dyn Driver>, ctx: driver::Context) -> Arc<dyn Driver> {
+    let hooked = driver::Hooked {
+        inner: raw.clone(),
+        hook: driver::DeviceRules::new(raw.clone()),
+    };
+    hooked.hook.set_context(ctx);
+    Arc::new(hooked)
 }
 
 fn shelves() -> MutexGuard<'static, Vec<Shelf>> {
@@ -147,7 +164,7 @@ pub(crate) fn give(home: &Home, blocks: Vec<Block>) -> Vec<Block> {
         return Vec::new();
     }
     sh.push(Shelf {
-        driver: home.driver.clone(),
+        driver: shelf_driver(&home.raw, home.ctx),
         world: home.world,
         ctx: home.ctx,
         device: home.device,
@@ -168,7 +185,7 @@ fn keep_retain(home: &Home, primary: driver::Context) {
     {
         Some(s) => s.retains += 1,
         None => sh.push(Shelf {
-            driver: home.driver.clone(),
+            driver: shelf_driver(&home.raw, primary),
             world: home.world,
             ctx: primary,
             device: home.device,

@@ -1,7 +1,8 @@
 //! Review 4: attacks on the changes after 0240690 (`release_pinned_cache` keeping what it could
 //! not free or release, `cuMemFreeHost` in relaxed mode) and on the device rules around the
-//! pinned cache, on the simulated driver. A test whose comment says "FAILS" demonstrates a
-//! defect and fails on the code it was written against; the others are passing evidence.
+//! pinned cache, on the simulated driver. A test whose comment says "PINS" demonstrated a
+//! defect (it failed on the code it was written against, and passes since the fix it names);
+//! the others are passing evidence.
 
 use cuda_stream_pool::driver::{CaptureMode, Context as RawCtx, Driver, Hook, Hooked, SimDriver};
 use cuda_stream_pool::{release_pinned_cache, Context, ErrorCode};
@@ -11,15 +12,36 @@ use std::sync::{mpsc, Arc, Mutex};
 /// Uses a primary context's completion flags (a host-mapped slab) and tears the context down:
 /// one block lands on the context's shelf (with the shelf's retain).
 fn use_and_drop(d: &Arc<dyn Driver>, sim: &SimDriver) -> cuda_stream_pool::Result<()> {
+    let releases = || {
+        sim.calls()
+            .iter()
+            .filter(|c| c.name == "cuDevicePrimaryCtxRelease_v2")
+            .count()
+    };
     let ctx = Context::primary(d.clone(), 0)?;
-    let owner = ctx.owner();
-    let s = owner.stream()?;
-    let done = s.completed()?;
-    sim.advance(0);
-    let _ = done.is_complete();
-    drop((done, s));
-    drop((owner, ctx));
-    Ok(())
+    let before = releases();
+    let r = (|| {
+        let owner = ctx.owner();
+        let s = owner.stream()?;
+        let done = s.completed()?;
+        sim.advance(0);
+        let _ = done.is_complete();
+        drop((done, s));
+        drop(owner);
+        Ok(())
+    })();
+    drop(ctx);
+    // The teardown may run on a thread of its own (the poller was finishing the completion when
+    // the last clone went): it ends with the release of the state's retain, made or refused.
+    let hang = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while releases() == before {
+        assert!(
+            std::time::Instant::now() < hang,
+            "a hang: the teardown never completed"
+        );
+        std::thread::yield_now();
+    }
+    r
 }
 
 /// Records the thread's current context at every `cuMemFreeHost` that reaches the driver.
@@ -40,7 +62,8 @@ unsafe impl Hook for FreeCtx {
     }
 }
 
-// FAILS (defect, medium): the device rules make a context current only while they know one
+// PINS (defect, medium; fixed: a shelf frees through device rules of its own with its context
+// set, `pinned::shelf_driver`): the device rules make a context current only while they know one
 // (`DeviceRules::ctx != 0`, src/driver/rules.rs `prepare`); a shelf frees through the torn-down
 // state's rules (src/pinned.rs `Home::driver`, "the context set"), whose context the teardown
 // reset to NULL (src/context.rs, end of `CtxInner::teardown`: `set_context(NULL)`). So
@@ -503,7 +526,8 @@ unsafe impl Hook for RefuseSecondSetCurrent {
     }
 }
 
-// FAILS (defect, low): the crate docs promise that the thread's current context is restored
+// PINS (defect, low; fixed: `DeviceRules::restore` tries a refused switch back again, up to
+// three times): the crate docs promise that the thread's current context is restored
 // after every public call, but `DeviceRules::restore` (src/driver/rules.rs, `restore`) ignores
 // a failed switch back ("cannot fail on a live driver"), and nothing retries it: the caller's
 // context is lost for good (every later scope finds the crate's context current and "restores"

@@ -992,8 +992,23 @@ impl<'d> CaptureModeGuard<'d> {
 
 impl Drop for CaptureModeGuard<'_> {
     fn drop(&mut self) {
-        // Restoring cannot fail on a live driver; if it did, the thread stays relaxed, which
-        // invalidates no capture.
-        let _ = self.driver.thread_exchange_capture_mode(self.previous);
+        // A refused switch back is tried again; if every try fails, the thread stays relaxed,
+        // which invalidates no capture.
+        tries(|| {
+            self.driver
+                .thread_exchange_capture_mode(self.previous)
+                .map(drop)
+        });
     }
+}
+
+/// How many times [`tries`] makes a call.
+const TRIES: usize = 3;
+
+/// Makes `f`, a driver call that frees, destroys, releases or restores something, until it
+/// succeeds, at most three times; returns whether it succeeded. A failed call has no effect
+/// ([`Driver`]'s contract), so a transient failure (or an injected one) leaks nothing. Where
+/// every try fails, the caller leaks what the driver refuses to free (safe) or reports it.
+pub(crate) fn tries(mut f: impl FnMut() -> Result<()>) -> bool {
+    (0..TRIES).any(|_| f().is_ok())
 }

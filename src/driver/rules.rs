@@ -101,6 +101,9 @@ fn need(call: &'static str) -> Need {
     }
 }
 
+/// How many times a switch back to the caller's context or capture mode is tried.
+const RESTORE_TRIES: usize = 3;
+
 /// One open scope on this thread: for one context of one driver.
 struct Frame {
     /// The raw driver (its address), whose thread state the switches change.
@@ -226,19 +229,29 @@ impl DeviceRules {
         Ok(())
     }
 
-    /// Restores what a frame found.
+    /// Restores what a frame found. A switch back that the driver refuses is made again, up to
+    /// [`RESTORE_TRIES`] times in all (a refusal has no effect, and a `Hook` or an injected fault
+    /// may refuse any single call); if every try fails, the thread stays relaxed (which
+    /// invalidates no capture) or keeps the context current, which nothing can report from
+    /// here (the scope ends in a destructor).
     fn restore(&self, frame: Frame) {
-        // Restoring cannot fail on a live driver; if it did, the thread stays relaxed (which
-        // invalidates no capture) or keeps the context current.
         if let Some(mode) = frame.relaxed {
-            let _ = self.raw.thread_exchange_capture_mode(mode);
+            for _ in 0..RESTORE_TRIES {
+                if self.raw.thread_exchange_capture_mode(mode).is_ok() {
+                    break;
+                }
+            }
         }
         if let Some(prev) = frame.bound {
             if prev.0 != frame.ctx {
-                // SAFETY: `prev` was current on this thread when the frame began; the caller
-                // keeps what it made current alive across the crate's call (as it must for its
-                // own calls).
-                let _ = unsafe { self.raw.ctx_set_current(prev) };
+                for _ in 0..RESTORE_TRIES {
+                    // SAFETY: `prev` was current on this thread when the frame began; the
+                    // caller keeps what it made current alive across the crate's call (as it
+                    // must for its own calls).
+                    if unsafe { self.raw.ctx_set_current(prev) }.is_ok() {
+                        break;
+                    }
+                }
             }
         }
     }
