@@ -110,37 +110,35 @@ pub(crate) fn wake_task(w: std::task::Waker) {
             .ok()
             .map(|_| tx)
     });
-    match tx {
-        Some(tx) => {
-            if let Err(e) = tx.send(w) {
-                // The thread is gone (it never exits while the sender lives): wake from a
-                // thread of its own.
-                let w = e.0;
-                let _ = std::thread::Builder::new()
-                    .name("cuda-stream-pool-wake".into())
-                    .spawn(move || w.run());
-            }
-        }
-        None => {
-            // No thread could be started: a thread of its own, else (resources exhausted) the
-            // task is woken here, which is only wrong if its waker polls inline.
-            let cell = Arc::new(Mutex::new(Some(w)));
-            let c2 = cell.clone();
-            let spawned = std::thread::Builder::new()
-                .name("cuda-stream-pool-wake".into())
-                .spawn(move || {
-                    // Taken out first: the waker runs without the cell's lock.
-                    let w = c2.lock().take();
-                    if let Some(w) = w {
-                        w.run()
-                    }
-                });
-            if spawned.is_err() {
-                let w = cell.lock().take();
+    /// Wakes from a thread of its own; else (no thread can be started: resources exhausted) the
+    /// task is woken here, which is only wrong if its waker polls inline.
+    fn on_own_thread(w: Bg) {
+        let cell = Arc::new(Mutex::new(Some(w)));
+        let c2 = cell.clone();
+        let spawned = std::thread::Builder::new()
+            .name("cuda-stream-pool-wake".into())
+            .spawn(move || {
+                // Taken out first: the waker runs without the cell's lock.
+                let w = c2.lock().take();
                 if let Some(w) = w {
                     w.run()
                 }
+            });
+        if spawned.is_err() {
+            let w = cell.lock().take();
+            if let Some(w) = w {
+                w.run()
             }
         }
+    }
+    match tx {
+        // The thread never exits while the sender lives; should the send fail all the same,
+        // the waker is not lost.
+        Some(tx) => {
+            if let Err(e) = tx.send(w) {
+                on_own_thread(e.0)
+            }
+        }
+        None => on_own_thread(w),
     }
 }

@@ -243,6 +243,11 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 /// failed stays on its shelf, and its context stays retained for it; a retain whose release
 /// failed stays too: a later call frees and releases them.
 ///
+/// It frees what is on the shelves when it is called. A teardown that was handed to a thread of
+/// its own (the last [`Context`](crate::Context) dropped on a host-function thread, or while the
+/// completion poller ran a waker: see the crate's safety contract) may still be running, and
+/// shelves its blocks after this call: call it again later to free those.
+///
 /// Call it before any `cuDevicePrimaryCtxReset` of these devices (by this program or a
 /// library): a reset destroys the primary context and its page-locked memory with it, retains
 /// or not, and a later free of a shelved block would free memory that is gone.

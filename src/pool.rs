@@ -272,7 +272,9 @@ impl Slot {
                 }
             }
         };
-        drop(taken);
+        // The loan's last handle may hold another crate's value (a cudarc stream): its drop is
+        // user code, run outside the device rules' scopes.
+        crate::driver::outside_scopes(|| drop(taken));
         true
     }
 

@@ -36,29 +36,14 @@ fn use_and_drop_a_context(d: &Arc<dyn Driver>) {
 }
 
 /// [`use_and_drop_a_context`] on the simulation, returning once the context's teardown has
-/// completed. The last clone of a context may be dropped while the completion poller still
-/// runs the waker of the copy's future; the teardown is then handed to a thread of its own, and
-/// completes after the drop returns (a later round or a `release_pinned_cache` would race it:
-/// this test failed so, 1 run in 8 beside the others). Done when the state has released its
-/// retain of the primary context: the last driver call of its teardown.
+/// completed (see [`common::await_teardown`]: a later round or a `release_pinned_cache` would
+/// race a teardown still running on a thread of its own; this test failed so, 1 run in 8 beside
+/// the others).
 fn use_and_drop_on_sim(sim: &Arc<SimDriver>) {
-    let releases = || {
-        sim.calls()
-            .iter()
-            .filter(|c| c.name == "cuDevicePrimaryCtxRelease_v2" && c.ok)
-            .count()
-    };
-    let before = releases();
+    let before = common::primary_releases(sim);
     let d: Arc<dyn Driver> = sim.clone();
     use_and_drop_a_context(&d);
-    let hang = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while releases() == before {
-        assert!(
-            std::time::Instant::now() < hang,
-            "a hang: the context's teardown never completed"
-        );
-        std::thread::yield_now();
-    }
+    common::await_teardown(sim, before);
 }
 
 /// A keep-alive for `Context::adopt` that says when it is dropped: after the state's teardown.

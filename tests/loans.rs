@@ -6,10 +6,23 @@
 #[path = "common/futures.rs"]
 mod futures;
 
-use cuda_stream_pool::driver::{Driver, SimDriver, Stream};
-use cuda_stream_pool::{Context, ContextOptions};
+use cuda_stream_pool::driver::{CaptureMode, CaptureStatus, Driver, SimDriver, Stream};
+use cuda_stream_pool::{Context, ContextOptions, DeviceBuffer, Error, ErrorCode, StreamRef};
+use futures::{poll, Noop, Yield};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
+use std::task::Waker;
+use std::time::Duration;
+
+/// A hang bound only: the scenarios finish at once when nothing deadlocks.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn setup() -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    (sim, ctx)
+}
 
 /// Another crate's handle of a stream (what cudarc's `CudaStream` is).
 #[derive(Debug)]
@@ -206,4 +219,202 @@ fn an_async_waiter_at_the_cap_waits_for_a_lent_stream_then_gets_it() {
     assert_eq!(owner.stream().unwrap().raw(), lent_raw);
     let st = ctx.stats();
     assert!(st.live <= 1 && st.created == 1 && st.lent == 0, "{st:?}");
+}
+
+thread_local! {
+    static KEPT: RefCell<Option<StreamRef<'static>>> = const { RefCell::new(None) };
+    static LOAN: RefCell<Option<Arc<Foreign>>> = const { RefCell::new(None) };
+}
+
+/// Regression (review 2, finding 2: the crate joined and invalidated another crate's capture). `Owner::after_escape` (the
+/// fresh owner an `Attached` task continues with after a `StreamRef<'static>` of its owner
+/// escaped a poll) checks `prev.is_capturing()`, the crate's own capture flag only, not
+/// `CtxInner::capturing`, which asks the driver for lent streams. When the escaped stream is lent
+/// and the borrower has begun a capture of it (cudarc's safe `begin_capture`), the crate records
+/// an event on the capturing stream and makes the fresh owner's stream wait for it: the fresh
+/// stream is pulled into the borrower's capture (fork), and the borrower's end of capture fails
+/// with an unjoined stream (CUDA_ERROR_STREAM_CAPTURE_UNJOINED on the GPU: invalidated).
+#[test]
+fn a_fresh_owner_after_an_escape_refuses_to_join_the_borrowers_capture_of_the_lent_stream() {
+    let (sim, ctx) = setup();
+    let owner = ctx.owner();
+    let c = ctx.clone();
+    let d: Arc<dyn Driver> = sim.clone();
+    let mut t = Box::pin(owner.attach(async move {
+        let s = c.stream().unwrap();
+        let h = s.lend(|raw| Ok(Arc::new(Foreign(raw)))).unwrap();
+        // The borrower begins a capture of its handle (relaxed: it forbids nothing).
+        // SAFETY: the borrower's action; the loan keeps the stream alive.
+        unsafe { d.stream_begin_capture(h.0, CaptureMode::Relaxed) }.unwrap();
+        LOAN.with(|l| *l.borrow_mut() = Some(h));
+        KEPT.with(|k| *k.borrow_mut() = Some(s)); // the reference escapes the poll
+        Yield(false).await;
+    }));
+    let w = Waker::from(Arc::new(Noop));
+    assert!(poll(t.as_mut(), &w).is_pending());
+    let h = LOAN.with(|l| l.borrow_mut().take()).unwrap();
+    // The fresh owner's next stream use must be ordered after the escaped (capturing) stream:
+    // impossible while the borrower captures, so it is refused, enqueuing nothing.
+    let fresh = t.owner().unwrap();
+    match fresh.stream() {
+        Err(cuda_stream_pool::Error::CaptureInProgress(_)) => {}
+        other => panic!("the fresh owner used a stream unordered or joined the capture: {other:?}"),
+    }
+    // SAFETY: the borrower ends its own capture.
+    let ended = unsafe { sim.stream_end_capture(h.0) };
+    assert!(
+        ended.is_ok(),
+        "the borrower's capture was broken by the crate: {ended:?}"
+    );
+    // SAFETY: the graph was made by the borrower's capture.
+    unsafe { sim.graph_destroy(ended.unwrap()) }.unwrap();
+    // Now the ordering is possible, and the fresh owner gets its stream.
+    let fresh_stream = fresh.stream().unwrap().raw();
+    assert_ne!(fresh_stream, h.0);
+    // SAFETY: the fresh owner holds its stream.
+    let fresh_capturing = unsafe { sim.stream_is_capturing(fresh_stream) }.unwrap();
+    assert_eq!(fresh_capturing, CaptureStatus::None);
+    KEPT.with(|k| k.borrow_mut().take());
+    drop(t);
+    drop(h);
+}
+
+/// Regression (review 2, finding 5: host memory freed under a pending DtoH copy, heap corruption
+/// in the simulation). `to_vec_async` keeps a staging block that it can neither watch nor return (the
+/// completion could not be enqueued and the synchronize failed) "for the teardown, after its
+/// streams were drained". A lent stream is not drained at teardown (it is parked while the
+/// borrower holds it), so `Hub::shutdown` frees the block while the copy into it is pending on
+/// the lent stream. The simulation writes DtoH copies through the raw pointer without checking
+/// host allocations, so the late copy would corrupt the heap: this test stops before the copy
+/// runs and checks that the block was not freed.
+#[test]
+fn teardown_keeps_a_staging_block_whose_copy_is_pending_on_a_lent_stream() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let h = s.lend(|raw| Ok(Arc::new(Foreign(raw)))).unwrap();
+    let b = DeviceBuffer::from_slice(&s, &[5u32; 16]).unwrap();
+    // Make the hub's slab exist first, so that only the staging block is in question.
+    drop(s.completed().unwrap());
+    s.synchronize().unwrap();
+    let before = sim.counters().live_host_allocs;
+    sim.enqueue_work(s.raw(), 1_000).unwrap();
+    sim.fail_calls("cuStreamWriteValue64_v2", ErrorCode::ERROR_UNKNOWN, 1);
+    sim.fail_calls("cuStreamSynchronize", ErrorCode::ERROR_UNKNOWN, 1);
+    assert!(b.to_vec_async(&s).is_err());
+    assert_eq!(sim.counters().live_host_allocs, before + 1);
+    drop(b);
+    drop(s);
+    drop(o);
+    drop(ctx); // the borrower still holds `h`: the stream and its pending copy stay
+               // The slab may go (its write landed); the staging block must stay.
+    let freed = sim.counters().live_host_allocs == 0;
+    // Freed is only right once the copy has landed (the teardown may wait for it).
+    // SAFETY: the loan keeps the stream alive.
+    let copy_done = unsafe { sim.stream_query(h.0) } == Ok(true);
+    // Keep the simulation from running the copy (into freed memory) before it is dropped.
+    std::mem::forget(h);
+    assert!(
+        !freed || copy_done,
+        "the staging block was freed while a DtoH copy into it is pending on the lent stream"
+    );
+}
+
+// Review 2's finding 6 (a borrower beginning a capture of a lent stream on another thread between the
+// crate's capture check and its enqueue) is a race inherent to sharing one CUDA stream between
+// threads, as cudarc's `Send + Sync` handle does: no check-then-enqueue can close it. It is a
+// documented limit of `StreamRef::lend` (begin captures of a lent stream on the owner's thread,
+// or while the crate does not use it), not tested here.
+
+/// Regression (review 2, finding 7: a deadlock from safe code). `StreamRef::lend` runs `wrap` under the slot's
+/// loan mutex; a `wrap` that asks for the loan of the same stream again (for instance through a
+/// helper that calls `cudarc_stream()`) relocks it on the same thread: `std::sync::Mutex`
+/// deadlocks (or panics). The docs say "must not call back into the crate for this stream", but
+/// the function is safe, and the contract promises no deadlocks.
+#[test]
+fn lend_whose_wrap_lends_the_same_stream_again_returns_without_deadlock() {
+    let (_sim, ctx) = setup();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let r = s.lend(|raw| {
+            let inner = s.lend(|raw| Ok(Arc::new(Foreign(raw))));
+            inner.map(|_| Arc::new(Foreign(raw)))
+        });
+        let _ = tx.send(r.is_ok() || matches!(r, Err(Error::InvalidArgument(_))));
+    });
+    assert!(
+        rx.recv_timeout(TIMEOUT).is_ok(),
+        "StreamRef::lend deadlocked (wrap lent the same stream)"
+    );
+}
+
+/// Regression (review 2, finding 8: a deadlock from safe code, a lost wake-up). With a cap, a stream whose holder
+/// is gone while its loan is out is parked in `CtxInner::lent` and still counts as live. When the
+/// borrower drops its last handle, nothing notices: the gate is notified only by releases,
+/// destroys and the wake-up host functions of retired streams, and a waiter's attempts look at
+/// the pool's shards, never at the parked list (only a later release, allocation, free or trim
+/// flushes it). A thread waiting at the cap (here the only other user of the context) parks
+/// forever although the stream is free.
+#[test]
+fn a_waiter_at_the_cap_is_woken_when_a_parked_loans_last_handle_is_dropped() {
+    let sim = Arc::new(SimDriver::new());
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    let a = ctx.owner();
+    let h = a
+        .stream()
+        .unwrap()
+        .lend(|raw| Ok(Arc::new(Foreign(raw))))
+        .unwrap();
+    drop(a); // parked: the loan is out
+    let (tx, rx) = mpsc::channel();
+    let c = ctx.clone();
+    std::thread::spawn(move || {
+        let o = c.owner();
+        let r = o.stream().map(|s| s.raw());
+        let _ = tx.send(r.map_err(|e| format!("{e}")));
+    });
+    // The waiter has begun to wait at the cap (it may not have parked yet: a wake-up that
+    // comes before it parks must not be lost either).
+    let t = std::time::Instant::now();
+    while ctx.stats().waits == 0 {
+        assert!(t.elapsed() < TIMEOUT, "a hang: the waiter never waited");
+        std::thread::yield_now();
+    }
+    drop(h); // the loan ends: the stream is free
+    let got = rx.recv_timeout(TIMEOUT);
+    assert!(
+        got.is_ok(),
+        "the waiter was never woken after the lent stream's last handle was dropped"
+    );
+}
+
+/// Regression (review 2, finding 9: a lent handle outlived its stream). `lend` promises that while anyone holds
+/// a clone of the returned `Arc` the stream is not destroyed. The context's teardown leaves a
+/// parked lent stream alone but then releases the primary context it retained
+/// (`cuDevicePrimaryCtxRelease`): when that was the last retain (no cudarc context keeping it),
+/// CUDA resets the primary context and destroys every stream of it, the lent one included, so the
+/// borrower's handle names a destroyed stream. The state should keep the context retained while
+/// a loan is out (or refuse to release it).
+#[test]
+fn teardown_keeps_the_primary_context_retained_while_a_loan_is_out() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let h = o
+        .stream()
+        .unwrap()
+        .lend(|raw| Ok(Arc::new(Foreign(raw))))
+        .unwrap();
+    drop(o);
+    assert_eq!(sim.counters().live_contexts, 1);
+    drop(ctx);
+    let retained = sim.counters().live_contexts;
+    drop(h);
+    assert_eq!(
+        retained, 1,
+        "the primary context (and with it, on CUDA, the lent stream) was released while the \
+         borrower still holds a handle of its stream"
+    );
 }

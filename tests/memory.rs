@@ -259,3 +259,38 @@ fn buffers_cross_owners_without_misuse() {
     assert_eq!((c.live_allocs, c.live_streams), (0, 0), "{c:?}");
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+/// Regression (review 2, finding 1: the GPU wrote host memory the caller got back, the heap
+/// corruption of the model test). `copy_to_host` enqueues the DtoH copy and then calls `stream.synchronize()`
+/// with `?`: when the synchronize fails (any driver error: the model's `fail_nth_call` hits
+/// `cuStreamSynchronize` or the capture-mode switch before it; or, on a lent stream,
+/// `CaptureInProgress` because the borrower began a capture meanwhile) it returns the error
+/// while the copy is still pending. The caller's `dst` is free again (for `to_vec` the `Vec` is
+/// dropped: the copy then lands in freed heap memory, which is the
+/// "free(): unaligned chunk detected in tcache 2" / SIGSEGV that tests/proptest_model.rs hit:
+/// `Op::ReadBack` calls `to_vec` while `Op::Fault` injects failures at random calls). Here the
+/// destination stays alive, so the late write is observed instead of corrupting the heap.
+#[test]
+fn a_failed_copy_to_host_leaves_no_copy_pending_into_its_destination() {
+    let (sim, ctx) = sim_ctx();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::from_slice(&s, &[7u64; 16]).unwrap();
+    sim.enqueue_work(s.raw(), 1_000).unwrap(); // earlier work: the copy waits behind it
+    sim.fail_calls("cuStreamSynchronize", ErrorCode::ERROR_UNKNOWN, 1);
+    let mut dst = vec![0u64; 16];
+    assert!(b.copy_to_host(&s, &mut dst).is_err());
+    // `dst` is the caller's again. Nothing may write it any more.
+    sim.advance(1_000);
+    // SAFETY: `dst` is alive; read volatile because the simulation wrote it behind the borrow.
+    let seen = unsafe { std::ptr::read_volatile(dst.as_ptr()) };
+    assert_eq!(
+        seen, 0,
+        "the DtoH copy of a failed copy_to_host landed after the call returned (with to_vec: \
+         into a dropped Vec, i.e. freed heap memory)"
+    );
+    drop(dst);
+    drop(b);
+    drop(s);
+    drop(o);
+}

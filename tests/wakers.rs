@@ -9,8 +9,9 @@
 #[path = "common/futures.rs"]
 mod futures_util;
 use cuda_stream_pool::driver::SimDriver;
+use cuda_stream_pool::DeviceBuffer;
 use cuda_stream_pool::{Context, ContextOptions, Owner, OwnerReady};
-use futures_util::{poll, waker};
+use futures_util::{poll, waker, Noop};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -405,4 +406,146 @@ fn a_leaving_waiter_passing_its_turn_to_a_cloning_waker_does_not_deadlock() {
         "the waker was not cloned when the stream was passed on"
     );
     assert!(r.1, "the second waiter was not served");
+}
+
+/// A waker that polls its future inline when woken (legal: `Waker::wake` may do anything).
+struct InlineSender {
+    fut: Mutex<Option<Pin<Box<OwnerReady>>>>,
+    tx: Mutex<mpsc::Sender<cuda_stream_pool::Result<Owner>>>,
+}
+
+impl Wake for InlineSender {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let Ok(mut g) = self.fut.try_lock() else {
+            return;
+        };
+        let Some(f) = g.as_mut() else { return };
+        let w = Waker::from(self.clone());
+        if let Poll::Ready(r) = poll(f.as_mut(), &w) {
+            *g = None;
+            let _ = self.tx.lock().unwrap().send(r);
+        }
+    }
+}
+
+/// Regression (review 2, finding 3: driver calls from a host function; a spurious failure, a
+/// deadlock on some drivers). The gate's wake-up host function (`Pool::arm`) calls `Gate::notify`, which runs the
+/// user's `Waker` on the driver's host-function thread. A waker that polls the `OwnerReady`
+/// inline reaches `OwnerReady::poll`, which sees `on_host_fn_thread()` and calls
+/// `owner.stream()`: `Pool::acquire` (mode `Fail`) then calls `attempt`, i.e. the driver
+/// (`cuThreadExchangeStreamCaptureMode`, `cuStreamQuery`, `cuStreamCreate`), from a host
+/// function. The real driver refuses (CUDA_ERROR_NOT_PERMITTED) or deadlocks; the task loses its
+/// owner to the error although a stream is free.
+#[test]
+fn a_waker_polling_inline_from_the_wake_up_host_function_makes_no_driver_call_there() {
+    let sim = Arc::new(SimDriver::new());
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    let first = ctx.owner();
+    sim.enqueue_work(first.stream().unwrap().raw(), 1_000)
+        .unwrap();
+    drop(first); // the only stream is retired, busy for 1 µs
+    let (tx, rx) = mpsc::channel();
+    let inline = Arc::new(InlineSender {
+        fut: Mutex::new(Some(Box::pin(ctx.owner().ready()))),
+        tx: Mutex::new(tx),
+    });
+    {
+        let mut g = inline.fut.lock().unwrap();
+        let w = Waker::from(inline.clone());
+        // At the cap, the retired stream busy: waits (arms the wake-up host function).
+        assert!(poll(g.as_mut().unwrap().as_mut(), &w).is_pending());
+    }
+    sim.advance(1_000); // the stream's work completes: the host function wakes the waker
+    let got = rx
+        .recv_timeout(HANG)
+        .expect("the waiter was never resolved");
+    let misuse = sim.misuse();
+    assert!(
+        misuse.is_empty(),
+        "the crate's host function led to driver calls: {misuse:?}"
+    );
+    let owner = got.expect("the waiter failed although the stream had come back");
+    drop(owner);
+}
+
+/// A waker that panics (for instance an executor's `expect` on a closed channel).
+struct Panicking(AtomicBool);
+impl Wake for Panicking {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+        panic!("review2: a waker that panics");
+    }
+}
+
+/// Regression (review 2, finding 4: host memory the GPU still wrote was handed to another copy,
+/// and every later completion of the context was never woken). The poller thread calls wakers inside
+/// `mine.retain(..)` without catching panics: a panicking waker unwinds the poller, which drops
+/// `mine`, the entries it was watching. A dropped `HostCopy`'s entry keeps its staging block in
+/// `EntryState::keep` (a `Back`), whose destructor returns the block to the free list: the block
+/// goes back while the DtoH copy into it is still pending, the next `to_vec_async` of that size
+/// takes it, and the old copy overwrites the new copy's result. (The poller is also dead for good:
+/// `submit` never restarts it, so later `Completion`s are never woken.)
+#[test]
+fn a_panicking_waker_neither_stops_the_poller_nor_recycles_a_staging_block_under_a_pending_copy() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let (a, b, c) = (ctx.owner(), ctx.owner(), ctx.owner());
+    let (sa, sb, sc) = (
+        a.stream().unwrap(),
+        b.stream().unwrap(),
+        c.stream().unwrap(),
+    );
+    let old = DeviceBuffer::from_slice(&sb, &[2u32; 16]).unwrap();
+    let new = DeviceBuffer::from_slice(&sc, &[3u32; 16]).unwrap();
+    // A copy to the host on `sb`, behind long work; its future is dropped (the entry keeps the
+    // staging block until the copy has landed).
+    sim.enqueue_work(sb.raw(), 1_000_000).unwrap();
+    drop(old.to_vec_async(&sb).unwrap());
+    // A completion on `sa`, awaited by a waker that panics.
+    sim.enqueue_work(sa.raw(), 1_000).unwrap();
+    let mut done = Box::pin(sa.completed().unwrap());
+    let p = Arc::new(Panicking(AtomicBool::new(false)));
+    assert!(poll(done.as_mut(), &Waker::from(p.clone())).is_pending());
+    // Let the poller take both entries: two whole passes after both were submitted.
+    let passes = || ctx.model_poller_progress().map_or(0, |p| p.0);
+    let first = passes();
+    let t = std::time::Instant::now();
+    while passes() < first + 2 {
+        assert!(t.elapsed() < HANG, "a hang: the poller makes no pass");
+        std::thread::yield_now();
+    }
+    sim.advance(1_000); // `sa`'s work completes: the poller runs the panicking waker
+    while !p.0.load(Ordering::SeqCst) {
+        assert!(t.elapsed() < HANG, "a hang: the waker was never called");
+        std::thread::yield_now();
+    }
+    // The poller goes on (it contains the panic): a later pass has run.
+    let after = passes();
+    while passes() < after + 1 {
+        assert!(
+            t.elapsed() < HANG,
+            "the poller stopped after the panicking waker"
+        );
+        std::thread::yield_now();
+    }
+    // A new copy of the same size class; it lands at once.
+    let mut copy = Box::pin(new.to_vec_async(&sc).unwrap());
+    sim.advance(0);
+    // The old copy lands later (its stream's work ends), before the new one is read.
+    sim.advance(1_000_000);
+    let w = Waker::from(Arc::new(Noop));
+    let Poll::Ready(v) = poll(copy.as_mut(), &w) else {
+        panic!("the copy has landed")
+    };
+    assert_eq!(
+        v.unwrap(),
+        vec![3u32; 16],
+        "the staging block of a pending copy was handed to another copy"
+    );
+    drop(done);
+    ctx.synchronize().unwrap();
 }

@@ -168,3 +168,28 @@ macro_rules! on_both_drivers {
         }
     };
 }
+
+/// The `cuDevicePrimaryCtxRelease_v2` calls in `sim`'s log, made or refused: the last driver call
+/// of a state's teardown.
+pub fn primary_releases(sim: &SimDriver) -> usize {
+    sim.calls()
+        .iter()
+        .filter(|c| c.name == "cuDevicePrimaryCtxRelease_v2")
+        .count()
+}
+
+/// Returns once `sim` has logged more than `before` primary-context releases: the teardown of
+/// a state dropped after `before` was read has completed. The last clone of a context may be
+/// dropped while the completion poller still runs a waker of one of its futures; its teardown
+/// is then handed to a thread of its own and completes after the drop returns. (Not for a test
+/// that clears the call log.) A 60 s bound reports a hang only.
+pub fn await_teardown(sim: &SimDriver, before: usize) {
+    let hang = std::time::Instant::now() + Duration::from_secs(60);
+    while primary_releases(sim) <= before {
+        assert!(
+            std::time::Instant::now() < hang,
+            "a hang: the context's teardown never completed"
+        );
+        std::thread::yield_now();
+    }
+}

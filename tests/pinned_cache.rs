@@ -1,8 +1,13 @@
-//! Review 4: attacks on the changes after 0240690 (`release_pinned_cache` keeping what it could
-//! not free or release, `cuMemFreeHost` in relaxed mode) and on the device rules around the
-//! pinned cache, on the simulated driver. A test whose comment says "PINS" demonstrated a
-//! defect (it failed on the code it was written against, and passes since the fix it names);
-//! the others are passing evidence.
+//! The pinned-memory cache: the page-locked blocks a context's teardown shelves for the CUDA
+//! context's next state, and `release_pinned_cache`, which frees them. Each block is freed with
+//! its own context current and in relaxed capture mode (no capture of any thread is
+//! invalidated), a failed free or release keeps what it could not free, and no interleaving of
+//! teardowns, releases and injected failures frees a block twice or frees one still in use.
+//! Simulated driver. A test whose comment says "PINS" demonstrated a defect found by the
+//! adversarial review of issue 19's changes (review 4: it failed on the code it was written
+//! against, and passes since the fix it names); the others are passing evidence.
+
+mod common;
 
 use cuda_stream_pool::driver::{CaptureMode, Context as RawCtx, Driver, Hook, Hooked, SimDriver};
 use cuda_stream_pool::{release_pinned_cache, Context, ErrorCode};
@@ -15,21 +20,15 @@ fn use_and_drop(d: &Arc<dyn Driver>, sim: &SimDriver) -> cuda_stream_pool::Resul
     use_and_drop_then(d, sim, true)
 }
 
-/// [`use_and_drop`]; with `wait`, returns only once the context's teardown has completed (it
-/// reads the simulation's call log, which a test that clears it cannot use).
+/// [`use_and_drop`]; with `wait`, returns only once the context's teardown has completed (see
+/// [`common::await_teardown`]).
 fn use_and_drop_then(
     d: &Arc<dyn Driver>,
     sim: &SimDriver,
     wait: bool,
 ) -> cuda_stream_pool::Result<()> {
-    let releases = || {
-        sim.calls()
-            .iter()
-            .filter(|c| c.name == "cuDevicePrimaryCtxRelease_v2")
-            .count()
-    };
     let ctx = Context::primary(d.clone(), 0)?;
-    let before = releases();
+    let before = common::primary_releases(sim);
     let r = (|| {
         let owner = ctx.owner();
         let s = owner.stream()?;
@@ -41,18 +40,8 @@ fn use_and_drop_then(
         Ok(())
     })();
     drop(ctx);
-    if !wait {
-        return r;
-    }
-    // The teardown may run on a thread of its own (the poller was finishing the completion when
-    // the last clone went): it ends with the release of the state's retain, made or refused.
-    let hang = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while releases() == before {
-        assert!(
-            std::time::Instant::now() < hang,
-            "a hang: the teardown never completed"
-        );
-        std::thread::yield_now();
+    if wait {
+        common::await_teardown(sim, before);
     }
     r
 }
