@@ -37,6 +37,22 @@ fn woken(c: &Counting, n: usize) -> bool {
     true
 }
 
+/// Waits (real time, bounded: a hang guard) until the context's completion poller has made `n`
+/// more whole passes over its pending completions, or has none pending.
+fn passes(ctx: &Context, n: u64) -> bool {
+    let Some((first, _)) = ctx.model_poller_progress() else {
+        return false;
+    };
+    let t = Instant::now();
+    loop {
+        match ctx.model_poller_progress() {
+            Some((p, idle)) if p >= first + n || idle => return true,
+            _ if t.elapsed() > Duration::from_secs(20) => return false,
+            _ => std::thread::yield_now(),
+        }
+    }
+}
+
 fn setup() -> (Arc<SimDriver>, Context) {
     let sim = Arc::new(SimDriver::new());
     let ctx = Context::primary(sim.clone(), 0).unwrap();
@@ -74,14 +90,15 @@ fn completion_is_pending_until_the_work_completes_and_woken_exactly_then() {
         let (count, w) = waker();
         assert!(poll(done.as_mut(), &w).is_pending());
         sim.advance(999);
-        // The flag has not landed, so nothing can wake the future, however long we look.
-        std::thread::sleep(Duration::from_millis(20));
+        // The flag has not landed, so nothing can wake the future: the poller looks at it
+        // twice (two whole passes) and does not.
+        assert!(passes(&ctx, 2), "the poller makes no pass");
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
         assert!(poll(done.as_mut(), &w).is_pending());
         sim.advance(1);
         assert!(woken(&count, 1), "the poller did not wake the future");
         assert!(matches!(poll(done.as_mut(), &w), Poll::Ready(Ok(()))));
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(passes(&ctx, 2), "the poller makes no pass");
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken more than once");
     }
     drop(ctx);
