@@ -22,9 +22,10 @@
 //! [`StreamRef::begin_capture_with`] to get CUDA's default. Either way the crate's own queries,
 //! synchronizations, allocations and frees run in relaxed mode and invalidate no capture.
 
-use crate::context::{off_host_fn_thread, Context};
+use crate::context::Context;
 use crate::driver::{self, CaptureMode, CaptureStatus};
 use crate::error::{Error, ErrorCode, Result};
+use crate::hostfn::off_host_fn_thread;
 use crate::memory::launch_with_uses;
 use crate::pool::CapturedUse;
 use crate::stream::StreamRef;

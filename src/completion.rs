@@ -17,474 +17,14 @@
 //! [`HostCopy`]), so nothing is freed early and nothing waits.
 
 use crate::context::Context;
-use crate::driver::{host_alloc_flags, DevicePtr, Driver};
 use crate::error::{Error, Result};
+use crate::hub::{Entry, Staging};
 use crate::memory::{DeviceBuffer, DeviceCopy};
-use crate::pinned::{self, Block, Home};
 use crate::stream::StreamRef;
-use crate::sync::{Condvar, Mutex, MutexGuard};
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context as TaskCx, Poll, Waker};
-use std::time::{Duration, Instant};
-
-thread_local! {
-    /// Set on the poller thread.
-    static IN_POLLER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Slots per host-mapped slab (one page of u64 flags).
-const SLAB_SLOTS: usize = 512;
-/// A slab's size and `cuMemHostAlloc` flags.
-const SLAB_BYTES: usize = SLAB_SLOTS * 8;
-const SLAB_FLAGS: u32 = host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock()
-}
-
-/// One pending completion: which slot the GPU writes, and the value that means "done".
-pub(crate) struct Entry {
-    slot: usize,
-    /// Host address of the slot's flag (in a slab that lives as long as the hub).
-    flag: usize,
-    seq: u64,
-    state: Mutex<EntryState>,
-}
-
-#[derive(Default)]
-struct EntryState {
-    done: bool,
-    waker: Option<Waker>,
-    /// Host memory the GPU may still write, kept until the write has landed (a dropped future's).
-    keep: Option<Box<dyn Any + Send>>,
-}
-
-impl Entry {
-    fn landed(&self) -> bool {
-        // SAFETY: the flag lies in a slab of the hub, which outlives every entry's use (the hub
-        // frees its slabs only at the context's teardown, when no future holds the context and
-        // every write has landed); the GPU writes it concurrently, so it is read atomically.
-        unsafe { &*(self.flag as *const AtomicU64) }.load(Ordering::Acquire) >= self.seq
-    }
-
-    /// Marks the entry done and wakes its waker; the kept memory is dropped after the lock.
-    fn finish(&self) {
-        let (waker, keep) = {
-            let mut st = lock(&self.state);
-            st.done = true;
-            (st.waker.take(), st.keep.take())
-        };
-        drop(keep);
-        if let Some(w) = waker {
-            // A panicking waker is contained: it must not stop the poller (whose entries keep
-            // memory that copies still write).
-            crate::hostfn::wake_task(w);
-        }
-    }
-}
-
-struct Slab {
-    host: *mut u8,
-    dev: DevicePtr,
-}
-
-// SAFETY: the pointer is the address of driver-owned, page-locked memory that the hub frees
-// once; it is shared only through atomic loads of its flags.
-unsafe impl Send for Slab {}
-
-struct HubState {
-    slabs: Vec<Slab>,
-    /// Free slots and the next sequence number of every slot.
-    free: Vec<usize>,
-    next_seq: Vec<u64>,
-    /// Entries submitted since the poller last looked.
-    incoming: Vec<Arc<Entry>>,
-    /// Whether the poller is parked (waiting for `incoming`).
-    parked: bool,
-    /// Whether the poller is running user code (wakers, and the drops of what entries kept):
-    /// set under this lock only while `stop` is unset (see [`Hub::stop`]).
-    running: bool,
-    /// Pinned staging blocks for copies to the host, by size class (power of two bytes).
-    staging: Vec<(usize, Vec<usize>)>,
-    /// Every staging block of the hub (shelved at teardown): (address, size class).
-    staging_all: Vec<(usize, usize)>,
-}
-
-/// A context's completion machinery: the slabs of flags, the poller thread, staging memory.
-pub(crate) struct Hub {
-    driver: Arc<dyn Driver>,
-    /// The CUDA context whose shelf of page-locked blocks the hub takes from and gives back
-    /// to (see pinned.rs: the crate never frees them on its own).
-    home: Home,
-    state: Mutex<HubState>,
-    cv: Condvar,
-    stop: AtomicBool,
-    thread: Mutex<Option<std::thread::JoinHandle<Vec<Arc<Entry>>>>>,
-    /// Completions observed (by the poller or by a poll), for tests and statistics.
-    pub(crate) completed: AtomicU64,
-    /// The poller's passes over its pending entries (see [`Hub::poller_progress`]).
-    passes: AtomicU64,
-}
-
-impl std::fmt::Debug for Hub {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hub").finish_non_exhaustive()
-    }
-}
-
-impl Hub {
-    pub(crate) fn new(home: Home) -> Arc<Hub> {
-        Arc::new(Hub {
-            driver: home.driver.clone(),
-            home,
-            state: Mutex::new(HubState {
-                slabs: Vec::new(),
-                free: Vec::new(),
-                next_seq: Vec::new(),
-                incoming: Vec::new(),
-                parked: false,
-                running: false,
-                staging: Vec::new(),
-                staging_all: Vec::new(),
-            }),
-            cv: Condvar::new(),
-            stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
-            completed: AtomicU64::new(0),
-            passes: AtomicU64::new(0),
-        })
-    }
-
-    /// A free slot and its next sequence number; grows by a slab (the context must be current).
-    /// The slab is allocated without the hub's lock (driver calls, whose hooks may block, are
-    /// never made under it): two threads that find no free slot at once may both add one.
-    fn take_slot(&self) -> Result<(usize, usize, DevicePtr, u64)> {
-        let mut st = lock(&self.state);
-        if st.free.is_empty() {
-            drop(st);
-            let (host, dev) = self.new_slab()?;
-            st = lock(&self.state);
-            let base = st.slabs.len() * SLAB_SLOTS;
-            st.slabs.push(Slab { host, dev });
-            st.next_seq.extend(std::iter::repeat_n(1, SLAB_SLOTS));
-            st.free.extend((base..base + SLAB_SLOTS).rev());
-        }
-        let slot = st.free.pop().expect("refilled above");
-        let seq = st.next_seq[slot];
-        st.next_seq[slot] += 1;
-        let slab = &st.slabs[slot / SLAB_SLOTS];
-        let off = (slot % SLAB_SLOTS) * 8;
-        Ok((
-            slot,
-            slab.host as usize + off,
-            DevicePtr(slab.dev.0 + off as u64),
-            seq,
-        ))
-    }
-
-    /// A slab of flags, cleared: one of an earlier state of the context, or a new one.
-    fn new_slab(&self) -> Result<(*mut u8, DevicePtr)> {
-        let (bytes, flags) = (SLAB_BYTES, SLAB_FLAGS);
-        let host = match pinned::take(&self.home, bytes, flags) {
-            Some(b) => b.host as *mut u8,
-            None => self.driver.mem_host_alloc(bytes, flags)?,
-        };
-        // SAFETY: `host` is a live allocation made with DEVICEMAP.
-        let dev = match unsafe { self.driver.mem_host_get_device_pointer(host) } {
-            Ok(d) => d,
-            Err(e) => {
-                let b = Block {
-                    host: host as usize,
-                    bytes,
-                    flags,
-                };
-                // Back to the shelf (an adopted context's is freed: nothing uses it).
-                for b in pinned::give(&self.home, vec![b]) {
-                    // SAFETY: the block just taken or allocated, used by no one.
-                    crate::driver::tries(|| unsafe { pinned::free(&*self.driver, b) });
-                }
-                return Err(e);
-            }
-        };
-        // SAFETY: the slab is SLAB_SLOTS * 8 bytes; nothing uses it (a shelved one's writes
-        // all landed before it was shelved): its old sequence numbers are cleared.
-        unsafe { std::ptr::write_bytes(host, 0, bytes) };
-        Ok((host, dev))
-    }
-
-    fn give_back_slot(&self, slot: usize) {
-        lock(&self.state).free.push(slot);
-    }
-
-    /// Hands an entry to the poller (starting it on first use).
-    fn submit(self: &Arc<Self>, e: Arc<Entry>) -> Result<()> {
-        let mut st = lock(&self.state);
-        st.incoming.push(e);
-        let wake = st.parked;
-        drop(st);
-        {
-            let mut t = lock(&self.thread);
-            if t.is_none() {
-                let hub = self.clone();
-                let h = std::thread::Builder::new()
-                    .name("cuda-stream-pool-completions".into())
-                    .spawn(move || hub.poll_loop())
-                    .map_err(|e| {
-                        Error::invalid(format!("cannot start the completion poller: {e}"))
-                    })?;
-                *t = Some(h);
-            }
-        }
-        if wake {
-            self.cv.notify_one();
-        }
-        Ok(())
-    }
-
-    /// The poller: reads the flags of pending entries (no driver call), finishes the landed
-    /// ones. Spins briefly after a landing, then yields for up to 1 ms, then sleeps 50 µs at a
-    /// time; parks while nothing is pending. Returns the entries still pending (or landed but not
-    /// finished) when stopped.
-    ///
-    /// User code (the wakers of landed entries, the drops of what they kept) runs only between
-    /// two checks of `stop` under the state lock, with `running` set, and with no lock held;
-    /// once it has seen `stop` the poller reads no flag again and returns.
-    fn poll_loop(&self) -> Vec<Arc<Entry>> {
-        let _ = IN_POLLER.try_with(|p| p.set(true));
-        let mut mine: Vec<Arc<Entry>> = Vec::new();
-        let mut last = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            {
-                let mut st = lock(&self.state);
-                while mine.is_empty() && st.incoming.is_empty() {
-                    if self.stop.load(Ordering::Acquire) {
-                        return mine;
-                    }
-                    st.parked = true;
-                    st = self.cv.wait(st);
-                    st.parked = false;
-                }
-                mine.append(&mut st.incoming);
-            }
-            if self.stop.load(Ordering::Acquire) {
-                return mine;
-            }
-            let mut landed = Vec::new();
-            mine.retain(|e| {
-                if e.landed() {
-                    landed.push(e.clone());
-                    false
-                } else {
-                    true
-                }
-            });
-            if !landed.is_empty() {
-                {
-                    let mut st = lock(&self.state);
-                    if self.stop.load(Ordering::Acquire) {
-                        // The teardown has begun: it finishes these (no user code here now).
-                        mine.append(&mut landed);
-                        return mine;
-                    }
-                    st.running = true;
-                }
-                for e in &landed {
-                    e.finish();
-                }
-                let freed = landed.iter().map(|e| e.slot);
-                self.completed
-                    .fetch_add(landed.len() as u64, Ordering::Relaxed);
-                {
-                    let mut st = lock(&self.state);
-                    st.running = false;
-                    st.free.extend(freed);
-                }
-                drop(landed);
-                last = Instant::now();
-                spins = 0;
-                self.passes.fetch_add(1, Ordering::SeqCst);
-                continue;
-            }
-            self.passes.fetch_add(1, Ordering::SeqCst);
-            if spins < 64 {
-                spins += 1;
-                std::hint::spin_loop();
-            } else if last.elapsed() < Duration::from_millis(1) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
-    }
-
-    /// (passes, idle): the poller's passes over its pending entries so far (each reads every
-    /// pending flag once and finishes, waking their wakers, the landed ones), and whether it is
-    /// parked with nothing pending. For a model that must tell "the poller has looked since
-    /// this flag landed" from "it has not run yet", without timing: two more passes than when
-    /// the flag was seen to land mean a whole pass began after it.
-    #[cfg(feature = "model-hooks")]
-    pub(crate) fn poller_progress(&self) -> (u64, bool) {
-        let started = lock(&self.thread).is_some();
-        let st = lock(&self.state);
-        let idle = (st.parked || !started) && st.incoming.is_empty();
-        (self.passes.load(Ordering::SeqCst), idle)
-    }
-
-    /// A pinned staging block of at least `bytes` bytes (the context must be current).
-    fn staging(&self, bytes: usize) -> Result<Staging> {
-        let class = bytes.max(64).next_power_of_two();
-        let mut st = lock(&self.state);
-        if let Some(p) = st
-            .staging
-            .iter_mut()
-            .find(|(c, _)| *c == class)
-            .and_then(|(_, v)| v.pop())
-        {
-            return Ok(Staging { addr: p, class });
-        }
-        // Allocated without the hub's lock (no driver call under it).
-        drop(st);
-        let p = match pinned::take(&self.home, class, host_alloc_flags::PORTABLE) {
-            Some(b) => b.host as *mut u8,
-            None => self
-                .driver
-                .mem_host_alloc(class, host_alloc_flags::PORTABLE)?,
-        };
-        lock(&self.state).staging_all.push((p as usize, class));
-        Ok(Staging {
-            addr: p as usize,
-            class,
-        })
-    }
-
-    /// Takes a staging block out of the hub's care: a copy into it may still be pending after
-    /// its wait failed. [`KeptStaging`] gives it back once that copy is known complete; until
-    /// then the hub's teardown does not free it (nor ever, if that never happens).
-    fn detach_staging(self: &Arc<Self>, s: Staging) -> KeptStaging {
-        lock(&self.state).staging_all.retain(|&(p, _)| p != s.addr);
-        KeptStaging {
-            hub: self.clone(),
-            staging: Some(s),
-        }
-    }
-
-    fn return_staging(&self, s: Staging) {
-        let mut st = lock(&self.state);
-        match st.staging.iter_mut().find(|(c, _)| *c == s.class) {
-            Some((_, v)) => v.push(s.addr),
-            None => st.staging.push((s.class, vec![s.addr])),
-        }
-    }
-
-    /// Stops the poller, at the start of the context's teardown. Returns whether the calling
-    /// thread may wait for the poller to exit ([`Hub::shutdown`]): the poller runs no user code
-    /// from now on. Not so on the poller's own thread, nor while the poller runs user code
-    /// (a waker), which may wait for the calling thread: then the teardown is run by a thread
-    /// of its own, and the poller, which still reads the flags, exits before anything is freed.
-    pub(crate) fn stop(&self) -> bool {
-        let running = {
-            // Under the state lock: the poller checks `stop` under it before it waits and before
-            // it runs user code, so the notification below cannot fall between its check and
-            // its wait (found by the fuzzer: a lost wake-up hung the teardown), and `running`
-            // cannot be set after this.
-            let st = lock(&self.state);
-            self.stop.store(true, Ordering::Release);
-            st.running
-        };
-        self.cv.notify_all();
-        !running && !IN_POLLER.try_with(|p| p.get()).unwrap_or(true)
-    }
-
-    /// Whether the calling thread is the completion poller of any context.
-    pub(crate) fn on_poller_thread() -> bool {
-        IN_POLLER.try_with(|p| p.get()).unwrap_or(false)
-    }
-
-    /// Waits for the poller to exit (stopping it, if [`Hub::stop`] was not called) and frees the
-    /// slabs and staging blocks, at the context's teardown (the context is current, the streams
-    /// have been drained). Memory that a write may still target (an entry that has not landed)
-    /// is leaked instead of freed. Never on the poller's thread, nor on a thread that a waker the
-    /// poller runs may wait for (see [`Hub::stop`]).
-    pub(crate) fn shutdown(&self) {
-        self.stop();
-        if Hub::on_poller_thread() {
-            // Never waits for itself (the teardown is handed off the poller's thread before
-            // this): leaked rather than freed under the poller.
-            return;
-        }
-        let mut pending = match lock(&self.thread).take() {
-            Some(h) => h.join().unwrap_or_default(),
-            None => Vec::new(),
-        };
-        pending.append(&mut lock(&self.state).incoming);
-        let mut leak = false;
-        for e in pending {
-            if e.landed() {
-                e.finish();
-            } else {
-                leak = true;
-                // The GPU may still write what the entry keeps: never free it.
-                std::mem::forget(lock(&e.state).keep.take());
-            }
-        }
-        if leak {
-            return;
-        }
-        let blocks: Vec<Block> = {
-            let mut guard = lock(&self.state);
-            let st = &mut *guard;
-            let slabs = st.slabs.drain(..).map(|s| Block {
-                host: s.host as usize,
-                bytes: SLAB_BYTES,
-                flags: SLAB_FLAGS,
-            });
-            let staging = st.staging_all.drain(..).map(|(p, class)| Block {
-                host: p,
-                bytes: class,
-                flags: host_alloc_flags::PORTABLE,
-            });
-            slabs.chain(staging).collect()
-        };
-        // Every write into the slabs has landed (no pending entry) and every copy into staging
-        // memory has completed, and no future holds the context any more: the blocks go to the
-        // context's shelf, for its next state (pinned.rs: a free would wait for every stream
-        // of the device). An adopted context's are freed: it may be destroyed after this.
-        for b in pinned::give(&self.home, blocks) {
-            // SAFETY: as above, nothing uses the block; given back by the shelf, freed once.
-            crate::driver::tries(|| unsafe { pinned::free(&*self.driver, b) });
-        }
-        lock(&self.state).staging.clear();
-    }
-}
-
-/// A staging block that a copy may still write, kept by the context (see
-/// [`Hub::detach_staging`]): given back to the hub when dropped, i.e. once the copy is known
-/// complete.
-struct KeptStaging {
-    hub: Arc<Hub>,
-    staging: Option<Staging>,
-}
-
-impl Drop for KeptStaging {
-    fn drop(&mut self) {
-        if let Some(s) = self.staging.take() {
-            lock(&self.hub.state).staging_all.push((s.addr, s.class));
-            self.hub.return_staging(s);
-        }
-    }
-}
-
-/// A pinned staging block, returned to its hub's free list when done.
-struct Staging {
-    addr: usize,
-    class: usize,
-}
-
+use std::task::{Context as TaskCx, Poll};
 /// A future that resolves when the work enqueued on a stream before [`StreamRef::completed`]
 /// was called has completed on the GPU. `Send`, `'static` (it borrows nothing; it keeps the
 /// context alive), and blocks no thread: the GPU writes a host-mapped flag that the future's
@@ -503,8 +43,7 @@ pub struct Completion {
 impl std::fmt::Debug for Completion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Completion")
-            .field("slot", &self.entry.slot)
-            .field("seq", &self.entry.seq)
+            .field("entry", &self.entry)
             .finish()
     }
 }
@@ -525,33 +64,7 @@ impl Future for Completion {
     type Output = Result<()>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
-        let e = &self.entry;
-        {
-            let st = lock(&e.state);
-            if st.done || e.landed() {
-                return Poll::Ready(Ok(()));
-            }
-            if st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                return Poll::Pending;
-            }
-        }
-        // A waker's clone and drop are user code: the new waker is cloned before the lock, and
-        // the one it replaces dropped after it.
-        let new = cx.waker().clone();
-        let replaced = {
-            let mut st = lock(&e.state);
-            if st.done {
-                return Poll::Ready(Ok(()));
-            }
-            st.waker.replace(new)
-        };
-        drop(replaced);
-        // The flag may have landed (and the poller passed by) between the check and storing the
-        // waker: check again, so that the wake-up cannot be lost.
-        if e.landed() {
-            return Poll::Ready(Ok(()));
-        }
-        Poll::Pending
+        self.entry.poll(cx.waker()).map(Ok)
     }
 }
 
@@ -582,27 +95,18 @@ impl<'a> StreamRef<'a> {
         let hub = self.ctx.inner.hub();
         // The slab's host allocation runs relaxed, the context current: the device rules.
         let _scope = self.ctx.inner.scope();
-        let (slot, flag, dev, seq) = hub.take_slot()?;
-        // SAFETY: the stream is held by the holder this reference borrows (live) and not
-        // capturing (checked; only this thread could begin one); the slot is 8-byte aligned
-        // host-mapped memory of the hub, which stays mapped until the write has landed, and no
-        // one else writes it while the slot is taken.
-        if let Err(e) = unsafe {
-            self.ctx
-                .inner
-                .driver
-                .stream_write_value64(self.slot.raw, dev, seq)
-        } {
-            hub.give_back_slot(slot);
-            return Err(e);
-        }
-        let entry = Arc::new(Entry {
-            slot,
-            flag,
-            seq,
-            state: Mutex::new(EntryState::default()),
-        });
-        hub.submit(entry.clone())?;
+        let entry = hub.completion(|dev, seq| {
+            // SAFETY: the stream is held by the holder this reference borrows (live) and not
+            // capturing (checked; only this thread could begin one); `dev` is the device address
+            // of an 8-byte aligned slot of host-mapped memory of the hub, which stays mapped
+            // until the write has landed, and no one else writes it while the slot is taken.
+            unsafe {
+                self.ctx
+                    .inner
+                    .driver
+                    .stream_write_value64(self.slot.raw, dev, seq)
+            }
+        })?;
         Ok(Completion {
             ctx: self.ctx.clone(),
             entry,
@@ -657,23 +161,12 @@ impl<T: DeviceCopy> Future for HostCopy<T> {
 impl<T: DeviceCopy> Drop for HostCopy<T> {
     fn drop(&mut self) {
         let Some(s) = self.staging.take() else { return };
-        let hub = self.done.ctx.inner.hub().clone();
-        let mut st = lock(&self.done.entry.state);
-        if st.done || self.done.entry.landed() {
-            drop(st);
-            hub.return_staging(s);
-        } else {
-            // The GPU still writes into the block: the poller returns it once the copy landed.
-            struct Back(Option<Staging>, Arc<Hub>);
-            impl Drop for Back {
-                fn drop(&mut self) {
-                    if let Some(s) = self.0.take() {
-                        self.1.return_staging(s);
-                    }
-                }
-            }
-            st.keep = Some(Box::new(Back(Some(s), hub)));
-        }
+        // The GPU may still write into the block: given back once the copy landed.
+        self.done
+            .ctx
+            .inner
+            .hub()
+            .return_when_landed(&self.done.entry, s);
     }
 }
 

@@ -235,7 +235,7 @@ impl ContextOptions {
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
-pub(crate) use crate::hostfn::{host_fn, off_host_fn_thread, on_host_fn_thread};
+use crate::hostfn::on_host_fn_thread;
 
 /// A stream whose holder is gone while its loan is out: its pool (`None` for an
 /// `OwnedStream`'s) and its slot.
@@ -304,7 +304,7 @@ pub(crate) struct CtxInner {
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
     /// Completion futures' flags, poller and staging memory, made on first use.
-    hub: OnceLock<Arc<crate::completion::Hub>>,
+    hub: OnceLock<Arc<crate::hub::Hub>>,
     /// Modules loaded into the context ([`CtxInner::module`]), by the address of their image:
     /// loaded once, unloaded by the teardown after every stream's work has completed. (An
     /// unload before that would have to wait with `cuCtxSynchronize`, which invalidates every
@@ -940,9 +940,9 @@ impl Context {
 
 impl CtxInner {
     /// The context's completion hub (made on first use; its memory and thread come later).
-    pub(crate) fn hub(&self) -> &Arc<crate::completion::Hub> {
+    pub(crate) fn hub(&self) -> &Arc<crate::hub::Hub> {
         self.hub.get_or_init(|| {
-            crate::completion::Hub::new(crate::pinned::Home {
+            crate::hub::Hub::new(crate::pinned::Home {
                 driver: self.driver.clone(),
                 raw: self.rules.inner.clone(),
                 world: self.rules.inner.world(),

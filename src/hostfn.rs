@@ -1,38 +1,19 @@
 //! Host functions: the crate's wrapper that marks the thread running one, and the rule that
 //! follows. The driver must not be called there (the real driver refuses or deadlocks), waiting
 //! for the GPU would wait for the running host function itself, and user code (a waker that
-//! polls its future inline) must not be run there either. The lowest layer: used by the pool,
-//! the context and everything above.
+//! polls its future inline) must not be run there either. Just above the driver layer (whose
+//! device rules read the thread's mark): used by the pool, the context and everything above.
 
 use crate::driver;
 use crate::sync::Mutex;
 use std::sync::Arc;
 
-thread_local! {
-    static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether the calling thread is running a host function enqueued by the crate. There the driver
-/// must not be called (the real driver refuses or deadlocks), and waiting for the GPU would wait
-/// for the running host function itself.
-pub(crate) fn on_host_fn_thread() -> bool {
-    IN_HOST_FN.try_with(|f| f.get()).unwrap_or(false)
-}
+pub(crate) use crate::driver::on_host_fn_thread;
 
 /// Wraps a host function so that the crate's destructors know they run in one (the closure's
 /// captures are dropped inside it).
 pub(crate) fn host_fn(f: impl FnOnce() + Send + 'static) -> driver::HostFn {
-    Box::new(move || {
-        struct Reset;
-        impl Drop for Reset {
-            fn drop(&mut self) {
-                let _ = IN_HOST_FN.try_with(|x| x.set(false));
-            }
-        }
-        let _ = IN_HOST_FN.try_with(|x| x.set(true));
-        let _reset = Reset;
-        f()
-    })
+    Box::new(move || driver::as_host_fn_thread(f))
 }
 
 /// Runs a destructor's driver work now, or, on a host-function thread, on a thread of its own

@@ -213,6 +213,7 @@ pub mod cudarc;
 pub mod driver;
 mod error;
 mod hostfn;
+mod hub;
 #[cfg(feature = "kernels")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kernels")))]
 pub mod kernels;

@@ -17,9 +17,10 @@
 //! * Not allowed on a capturing stream: allocation (allocate before `begin_capture`), blocking and
 //!   host copies (a captured copy would read or write host memory on every launch).
 
-use crate::context::{off_host_fn_thread, Context};
+use crate::context::Context;
 use crate::driver::DevicePtr;
 use crate::error::{Error, Result};
+use crate::hostfn::off_host_fn_thread;
 use crate::pool::{CapturedUse, Slot};
 use crate::stream::StreamRef;
 use crate::sync::{Mutex, MutexGuard};

@@ -513,7 +513,7 @@ impl Future for OwnerReady {
         };
         let waits = {
             let inner = owner.inner.borrow();
-            inner.held.is_empty() && !crate::context::on_host_fn_thread()
+            inner.held.is_empty() && !crate::hostfn::on_host_fn_thread()
         };
         if !waits {
             // Holds a stream already (never waits), or runs in a host function (must not
@@ -679,7 +679,7 @@ fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
     if let Some(o) = attached {
         return Ok(o);
     }
-    if crate::context::on_host_fn_thread() {
+    if crate::hostfn::on_host_fn_thread() {
         // Refused before anything is made: an implicit owner made here would live in the
         // driver's host-function thread, which never exits, and keep the context forever.
         return Err(Error::invalid(

@@ -1086,7 +1086,7 @@ impl Pool {
                     continue;
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
-                let f = crate::context::host_fn(move || {
+                let f = crate::hostfn::host_fn(move || {
                     armed.armed.store(RAN, Ordering::Release);
                     gate.notify();
                 });

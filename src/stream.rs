@@ -6,9 +6,10 @@
 //! compiler, not at run time. It is neither `Send` nor `Sync`: the stream's capture state is
 //! only ever changed by the one thread that holds it.
 
-use crate::context::{host_fn, off_host_fn_thread, Context, Priority};
+use crate::context::{Context, Priority};
 use crate::driver::{self, stream_flags, HostFn};
 use crate::error::{Error, Result};
+use crate::hostfn::{host_fn, off_host_fn_thread};
 use crate::pool::Slot;
 use std::any::Any;
 use std::cell::Cell;

@@ -8,8 +8,10 @@
 
 mod cuda;
 mod hooked;
+mod host_thread;
 mod rules;
 pub use hooked::{Hook, Hooked};
+pub(crate) use host_thread::{as_host_fn_thread, on_host_fn_thread};
 pub(crate) use rules::{outside_scopes, DeviceRules, Scope};
 pub mod sim;
 

@@ -26,9 +26,9 @@
 //! would be undone), and a call for another context (or driver) inside a scope is a scope of its
 //! own for that call.
 
+use super::on_host_fn_thread;
 use super::{CaptureMode, Context, Driver};
 use crate::error::{Error, ErrorCode, Result};
-use crate::hostfn::on_host_fn_thread;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -490,15 +490,11 @@ mod tests {
     #[test]
     fn calls_are_refused_on_a_host_function_thread_before_any_driver_call() {
         let (sim, rules, _, _) = setup();
-        let f = crate::hostfn::host_fn({
-            let sim = sim.clone();
-            move || {
-                let before = sim.call_count();
-                let e = rules.ctx_synchronize().unwrap_err();
-                assert_eq!(e.code(), Some(ErrorCode::ERROR_NOT_PERMITTED));
-                assert_eq!(sim.call_count(), before);
-            }
+        super::super::as_host_fn_thread(|| {
+            let before = sim.call_count();
+            let e = rules.ctx_synchronize().unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::ERROR_NOT_PERMITTED));
+            assert_eq!(sim.call_count(), before);
         });
-        f();
     }
 }
