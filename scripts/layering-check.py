@@ -18,6 +18,7 @@ LAYERS = [
     "pinned",      # page-locked host memory kept for a context's next state
     "hub",         # the completion hub: host-mapped flags, the poller thread, staging memory
     "pool",        # streams, slots, shards, the cap's gate
+    "retry",       # the context's lists of work kept for a later attempt
     "context",     # the registry: options, pools, teardown
     "stream",      # StreamRef, OwnedStream
     "owner",       # owners, priorities, async acquisition

@@ -236,6 +236,7 @@ impl ContextOptions {
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
 use crate::hostfn::on_host_fn_thread;
+use crate::retry::RetryList;
 
 /// A stream whose holder is gone while its loan is out: its pool (`None` for an
 /// `OwnedStream`'s) and its slot.
@@ -285,20 +286,20 @@ pub(crate) struct CtxInner {
     /// from it with `cuMemAllocFromPoolAsync`).
     pub(crate) own_pool: bool,
     events: Mutex<Vec<Event>>,
-    deferred: Mutex<Vec<Deferred>>,
-    /// `deferred.len() + orphans.len()`, readable without the lock: the fast path of every
+    deferred: RetryList<Deferred>,
+    /// Everything the four retry lists keep, readable without a lock: the fast path of every
     /// flush.
     deferred_len: AtomicUsize,
     /// Streams of dropped `OwnedStream`s that could not be destroyed yet (their work did not
     /// complete, or the driver refused): destroyed by later flushes once idle, or at teardown.
-    orphans: Mutex<Vec<Arc<Slot>>>,
+    orphans: RetryList<Arc<Slot>>,
     /// Streams whose holder is gone while a handle lent to another crate (cudarc) still lives:
     /// kept out of the pool, never destroyed, until the loan is returned (the pool of a pooled
     /// stream, `None` for an `OwnedStream`'s).
-    lent: Mutex<Vec<Parked>>,
+    lent: RetryList<Parked>,
     /// Host memory that a copy may still read or write after the wait for it failed: kept until
     /// that stream generation's work is known to be complete (leaked if that never happens).
-    kept_host: Mutex<Vec<KeptHost>>,
+    kept_host: RetryList<KeptHost>,
     /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
@@ -534,11 +535,11 @@ impl Context {
                 mem_pool,
                 own_pool,
                 events: Mutex::new(Vec::new()),
-                deferred: Mutex::new(Vec::new()),
+                deferred: RetryList::new(),
                 deferred_len: AtomicUsize::new(0),
-                orphans: Mutex::new(Vec::new()),
-                lent: Mutex::new(Vec::new()),
-                kept_host: Mutex::new(Vec::new()),
+                orphans: RetryList::new(),
+                lent: RetryList::new(),
+                kept_host: RetryList::new(),
                 _keep_alive: keep_alive,
                 torn_down: false,
                 hub: OnceLock::new(),
@@ -1182,9 +1183,8 @@ impl CtxInner {
     /// Keeps host memory that a copy enqueued on generation `gen` of `slot` may still access
     /// (its wait failed), until that work is known to be complete.
     pub(crate) fn keep_host(&self, slot: &Arc<Slot>, gen: u64, mem: Box<dyn std::any::Any + Send>) {
-        let mut list = self.kept_host.lock();
-        list.push((slot.clone(), gen, mem));
-        self.deferred_len.fetch_add(1, Ordering::AcqRel);
+        self.kept_host
+            .keep((slot.clone(), gen, mem), &self.deferred_len);
     }
 
     /// Whether the work enqueued on generation `gen` of `slot` is known to be complete (a wait
@@ -1211,9 +1211,7 @@ impl CtxInner {
 
     /// Keeps a stream whose loan is still out, for a later flush.
     fn park(&self, pool: Option<Arc<Pool>>, slot: Arc<Slot>) {
-        let mut list = self.lent.lock();
-        list.push((pool, slot));
-        self.deferred_len.fetch_add(1, Ordering::AcqRel);
+        self.lent.keep((pool, slot), &self.deferred_len);
     }
 
     /// An event for ordering one stream after another (record + wait), from a small cache.
@@ -1304,13 +1302,12 @@ impl CtxInner {
     pub(crate) unsafe fn free_or_defer(&self, ptr: DevicePtr, slot: &Arc<Slot>, gen: u64) {
         // SAFETY: the caller's contract.
         if !unsafe { self.free_ordered(ptr, slot, gen) } {
-            let mut list = self.deferred.lock();
-            list.push(Deferred {
+            let d = Deferred {
                 ptr,
                 slot: slot.clone(),
                 gen,
-            });
-            self.deferred_len.fetch_add(1, Ordering::AcqRel);
+            };
+            self.deferred.keep(d, &self.deferred_len);
         }
     }
 
@@ -1329,9 +1326,7 @@ impl CtxInner {
             destroy_idle(&*self.driver, &slot, wait).unwrap_or(false)
         };
         if !done && !slot.lock().destroyed {
-            let mut list = self.orphans.lock();
-            list.push(slot);
-            self.deferred_len.fetch_add(1, Ordering::AcqRel);
+            self.orphans.keep(slot, &self.deferred_len);
         }
     }
 
@@ -1348,48 +1343,27 @@ impl CtxInner {
     /// [`CtxInner::flush_deferred`]; with `wait`, kept streams are waited for.
     fn flush(&self, wait: bool) {
         let _scope = self.scope();
-        // The count changes under the lock of the list it counts, so it never underflows.
-        let taken = {
-            let mut list = self.deferred.lock();
-            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
-            std::mem::take(&mut *list)
-        };
-        let orphans = {
-            let mut list = self.orphans.lock();
-            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
-            std::mem::take(&mut *list)
-        };
+        let taken = self.deferred.take_all(&self.deferred_len);
+        let orphans = self.orphans.take_all(&self.deferred_len);
         for d in taken {
             // SAFETY: the entry was made by `free_or_defer`, whose contract covers it; it left
             // the list, so no other flush frees it.
             if !unsafe { self.free_ordered(d.ptr, &d.slot, d.gen) } {
-                let mut list = self.deferred.lock();
-                list.push(d);
-                self.deferred_len.fetch_add(1, Ordering::AcqRel);
+                self.deferred.keep(d, &self.deferred_len);
             }
         }
         for slot in orphans {
             self.destroy_or_keep(slot, wait);
         }
-        let kept = {
-            let mut list = self.kept_host.lock();
-            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
-            std::mem::take(&mut *list)
-        };
+        let kept = self.kept_host.take_all(&self.deferred_len);
         for (slot, gen, mem) in kept {
             if self.work_done(&slot, gen, wait) {
                 drop(mem);
             } else {
-                let mut list = self.kept_host.lock();
-                list.push((slot, gen, mem));
-                self.deferred_len.fetch_add(1, Ordering::AcqRel);
+                self.kept_host.keep((slot, gen, mem), &self.deferred_len);
             }
         }
-        let lent = {
-            let mut list = self.lent.lock();
-            self.deferred_len.fetch_sub(list.len(), Ordering::AcqRel);
-            std::mem::take(&mut *list)
-        };
+        let lent = self.lent.take_all(&self.deferred_len);
         for (pool, slot) in lent {
             match pool {
                 Some(pool) => self.release_slot(&pool, slot, true),
@@ -1422,11 +1396,11 @@ impl CtxInner {
             mem_pool: self.mem_pool,
             own_pool: self.own_pool,
             events: Mutex::new(std::mem::take(self.events.get_mut())),
-            deferred: Mutex::new(std::mem::take(self.deferred.get_mut())),
+            deferred: self.deferred.take_list(),
             deferred_len: AtomicUsize::new(*self.deferred_len.get_mut()),
-            orphans: Mutex::new(std::mem::take(self.orphans.get_mut())),
-            lent: Mutex::new(std::mem::take(self.lent.get_mut())),
-            kept_host: Mutex::new(std::mem::take(self.kept_host.get_mut())),
+            orphans: self.orphans.take_list(),
+            lent: self.lent.take_list(),
+            kept_host: self.kept_host.take_list(),
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
@@ -1468,7 +1442,7 @@ pub(crate) fn reap_lingering() {
 impl CtxInner {
     /// Whether a stream parked while lent has been returned by its borrower (no driver call).
     fn a_loan_ended(&self) -> bool {
-        self.lent.lock().iter().any(|(_, slot)| slot.loan_ended())
+        self.lent.any(|(_, slot)| slot.loan_ended())
     }
 }
 

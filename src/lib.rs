@@ -221,6 +221,7 @@ mod memory;
 mod owner;
 mod pinned;
 mod pool;
+mod retry;
 mod stream;
 mod sync;
 #[cfg(feature = "model-hooks")]
