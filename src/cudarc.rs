@@ -24,7 +24,7 @@
 
 use crate::context::{Context, ContextOptions};
 use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{BufferUse, DeviceBuffer, DeviceCopy};
 use crate::stream::StreamRef;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
@@ -60,8 +60,8 @@ impl Context {
     /// ```
     ///
     /// # Errors
-    /// The loader's error when libcuda cannot be used; the driver's (or cudarc's, as
-    /// [`Error::InvalidArgument`]) when the context cannot be adopted.
+    /// The loader's error when libcuda cannot be used; the driver's (cudarc's, with its code)
+    /// when the context cannot be adopted.
     pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
         Self::from_cudarc_with(cu, ContextOptions::default())
     }
@@ -76,8 +76,7 @@ impl Context {
         // thread is invalidated.
         let stream = {
             let _relaxed = CaptureModeGuard::relaxed(&*drv)?;
-            cu.new_stream()
-                .map_err(|e| Error::invalid(format!("cudarc: {e}")))?
+            cu.new_stream()?
         };
         let keep = CudarcKeep {
             _stream: stream,
@@ -165,11 +164,14 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 /// crate's alive, so `device_ptr` refuses it.
 ///
 /// # Panics
-/// `device_ptr` / `device_ptr_mut` panic, before enqueuing anything, when asked for another
-/// stream that is capturing, or when either stream is capturing and they differ (no ordering
-/// is then possible without joining or invalidating a capture), when the use's stream is in
-/// another capture than the one it was in when the use was made, and when the driver fails the
-/// capture query or the ordering; the cudarc traits have no way to return the error.
+/// `device_ptr` / `device_ptr_mut` panic, before enqueuing anything, where
+/// [`CudarcUse::device_ptr_on`] returns an error: when asked for another stream that is
+/// capturing, or when either stream is capturing and they differ (no ordering is then possible
+/// without joining or invalidating a capture), when the use's stream is in another capture than
+/// the one it was in when the use was made, and when the driver fails the capture query or the
+/// ordering; the cudarc traits have no way to return the error. Call `device_ptr_on` first (it
+/// orders once; the trait's call after it finds nothing left to order) where a panic is not
+/// acceptable.
 #[must_use = "the buffer's use lock is held while the guard lives: enqueue the cudarc work while it lives"]
 pub struct CudarcUse<'b, T> {
     inner: BufferUse<'b>,
@@ -191,44 +193,53 @@ impl<T> std::fmt::Debug for CudarcUse<'_, T> {
 }
 
 impl<T> CudarcUse<'_, T> {
-    /// Orders `other` after the use's stream, or panics (see the type's docs).
-    fn order_other<'a>(&'a self, other: &'a CudaStream) -> SyncOnDrop<'a> {
+    /// The buffer's device address for work on `stream`, ordered: on the use's own stream
+    /// nothing is enqueued (after a check that its capture is still the one the use was made
+    /// in); on another stream, that stream waits for the use's stream (an event wait) and the
+    /// returned guard synchronizes it when dropped (after the caller enqueued its work), so the
+    /// work is complete before the use is recorded. What `device_ptr` does, as a `Result`.
+    ///
+    /// # Errors
+    /// [`Error::CaptureInProgress`] when either stream is capturing and they differ, or when the
+    /// use's stream is in another capture than the one it was in when the use was made (that
+    /// capture's graph would not keep the buffer alive); the driver's error of the capture
+    /// query or the ordering. Nothing is enqueued on an error.
+    pub fn device_ptr_on<'a>(&'a self, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+        Ok((self.ptr, self.order_other(stream)?))
+    }
+
+    /// Orders `other` after the use's stream (see [`CudarcUse::device_ptr_on`]).
+    fn order_other<'a>(&'a self, other: &'a CudaStream) -> Result<SyncOnDrop<'a>> {
         let mine = driver::Stream::from(self.stream.cu_stream());
         let theirs = driver::Stream::from(other.cu_stream());
         let ci = &self.inner.context().inner;
         if mine == theirs {
             // SAFETY: the use's stream is held (the guard borrows its reference); the query is
             // allowed in every capture mode and invalidates nothing.
-            match unsafe { ci.driver.stream_capture_info(mine) } {
-                Ok((CaptureStatus::None, _)) => {}
-                Ok((_, id)) if self.capture == Some(id) => {}
-                Ok(_) => panic!(
+            return match unsafe { ci.driver.stream_capture_info(mine) }? {
+                (CaptureStatus::None, _) => Ok(SyncOnDrop::Sync(None)),
+                (_, id) if self.capture == Some(id) => Ok(SyncOnDrop::Sync(None)),
+                _ => Err(Error::CaptureInProgress(
                     "CudarcUse: its stream began a capture after the use was made; that \
                      capture's graph would not keep the buffer alive (make the use inside the \
                      capture)"
-                ),
-                Err(e) => panic!("CudarcUse: cannot query the stream's capture: {e}"),
-            }
-            return SyncOnDrop::Sync(None);
+                        .into(),
+                )),
+            };
         }
-        let r = (|| -> Result<()> {
-            let _scope = ci.scope();
-            for s in [mine, theirs] {
-                // SAFETY: both streams are live: the use's stream is held (the guard borrows
-                // its reference) and `other` is borrowed for this call.
-                if unsafe { ci.driver.stream_is_capturing(s) }? != CaptureStatus::None {
-                    return Err(Error::CaptureInProgress(
-                        "a CudarcUse cannot order a capturing stream".into(),
-                    ));
-                }
+        let _scope = ci.scope();
+        for s in [mine, theirs] {
+            // SAFETY: both streams are live: the use's stream is held (the guard borrows its
+            // reference) and `other` is borrowed for this call.
+            if unsafe { ci.driver.stream_is_capturing(s) }? != CaptureStatus::None {
+                return Err(Error::CaptureInProgress(
+                    "a CudarcUse cannot order a capturing stream".into(),
+                ));
             }
-            // SAFETY: as above; neither stream is capturing.
-            unsafe { ci.order_raw(mine, theirs) }
-        })();
-        if let Err(e) = r {
-            panic!("CudarcUse: cannot order cudarc's stream after the buffer's use: {e}");
         }
-        SyncOnDrop::Sync(Some(other))
+        // SAFETY: as above; neither stream is capturing.
+        unsafe { ci.order_raw(mine, theirs) }?;
+        Ok(SyncOnDrop::Sync(Some(other)))
     }
 }
 
@@ -243,13 +254,30 @@ impl<T> DeviceSlice<T> for CudarcUse<'_, T> {
 
 impl<T> DevicePtr<T> for CudarcUse<'_, T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.ptr, self.order_other(stream))
+        self.device_ptr_on(stream)
+            .unwrap_or_else(|e| panic!("CudarcUse::device_ptr: {e}"))
     }
 }
 
 impl<T> DevicePtrMut<T> for CudarcUse<'_, T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
         let s: &'a Self = self;
-        (s.ptr, s.order_other(stream))
+        s.device_ptr_on(stream)
+            .unwrap_or_else(|e| panic!("CudarcUse::device_ptr_mut: {e}"))
+    }
+}
+
+/// cudarc's driver errors keep their code (and the code's name from the crate's table), so `?`
+/// works in code that mixes both crates; the entry point is not known (`"cudarc"`).
+///
+/// ```
+/// use cuda_stream_pool::{Error, ErrorCode};
+/// use cudarc::driver::{sys::CUresult, DriverError};
+/// let e: Error = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).into();
+/// assert_eq!(e.code(), Some(ErrorCode::ERROR_OUT_OF_MEMORY));
+/// ```
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Error {
+        Error::driver(ErrorCode(e.0 as u32), "cudarc")
     }
 }

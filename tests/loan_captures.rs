@@ -168,4 +168,30 @@ mod cudarc_capture {
         assert!(g.is_ok(), "cudarc's capture ends cleanly");
         drop(u);
     }
+
+    /// `CudarcUse::device_ptr_on` returns the refusal that `device_ptr` panics with (issue 21:
+    /// cudarc's trait cannot return an error; the fallible call can), and enqueues nothing: the
+    /// borrower's capture ends cleanly and holds no node.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn device_ptr_on_returns_the_refusal_as_an_error() {
+        let _serial = common::gpu_lock();
+        let cu = CudaContext::new(0).unwrap();
+        let ctx = Context::from_cudarc(&cu).unwrap();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let x = DeviceBuffer::<u32>::zeroed(&s, 1 << 16).unwrap();
+        let cs = s.cudarc_stream().unwrap();
+        let u = x.cudarc_use(&s).unwrap();
+        cs.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let r = u.device_ptr_on(&cs).map(|(p, _)| p);
+        let g = cs.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        assert!(
+            matches!(r, Err(cuda_stream_pool::Error::CaptureInProgress(_))),
+            "{r:?}"
+        );
+        assert!(g.is_ok(), "cudarc's capture ends cleanly");
+        drop(u);
+    }
 }
