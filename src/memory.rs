@@ -30,6 +30,11 @@ use std::sync::Arc;
 
 /// Plain data that can live in device memory: every bit pattern is a valid value.
 ///
+/// Implemented for the primitive integers and floats, and with the `half` feature for
+/// `half::f16` and `half::bf16`. Not for `bool` or `char` (not every bit pattern is one: a
+/// kernel writing 2 into a `bool` would make reading it back undefined behaviour); use `u8` and
+/// `u32` on the device. Your own `#[repr(C)]` types without padding can implement it.
+///
 /// # Safety
 /// Implement only for `Copy` types without padding for which any bit pattern is valid.
 pub unsafe trait DeviceCopy: Copy + Send + Sync + 'static {}
@@ -41,6 +46,8 @@ macro_rules! device_copy {
     )* };
 }
 device_copy!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64, usize, isize);
+#[cfg(feature = "half")]
+device_copy!(half::f16, half::bf16);
 
 struct LastUse {
     slot: Arc<Slot>,
