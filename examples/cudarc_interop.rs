@@ -16,9 +16,7 @@
 //! Without a GPU it returns an error (no panic).
 
 use cuda_stream_pool::{Context, DeviceBuffer};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const N: usize = 1 << 14;
@@ -73,8 +71,8 @@ fn request(m: &Model) -> Result<CudaSlice<f32>, Box<dyn std::error::Error>> {
 }
 
 pub fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let cu = CudaContext::new(0)?;
-    let ctx = Context::from_cudarc(&cu)?;
+    // Probes the driver first: without a GPU this is an error, not a panic in cudarc's loader.
+    let (cu, ctx) = Context::cudarc(0)?;
     let src = cuda_stream_pool::kernels::PTX.trim_end_matches('\0');
     let module = cu.load_module(cudarc::nvrtc::Ptx::from_src(src))?;
     let setup = ctx.owner();

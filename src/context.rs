@@ -454,7 +454,9 @@ impl Context {
     }
 
     /// The driver of a new state: `driver` behind the device rules (driver/rules.rs).
-    fn device_layer(driver: Arc<dyn Driver>) -> Arc<driver::Hooked<driver::DeviceRules>> {
+    pub(crate) fn device_layer(
+        driver: Arc<dyn Driver>,
+    ) -> Arc<driver::Hooked<driver::DeviceRules>> {
         Arc::new(driver::Hooked {
             inner: driver.clone(),
             hook: driver::DeviceRules::new(driver),

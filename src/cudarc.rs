@@ -23,7 +23,7 @@
 //! `new_stream`); allocate them afterwards, or order them yourself.
 
 use crate::context::{Context, ContextOptions};
-use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice};
+use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice, Driver};
 use crate::error::{Error, ErrorCode, Result};
 use crate::memory::{BufferUse, DeviceBuffer, DeviceCopy};
 use crate::stream::StreamRef;
@@ -64,6 +64,47 @@ impl Context {
     /// when the context cannot be adopted.
     pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
         Self::from_cudarc_with(cu, ContextOptions::default())
+    }
+
+    /// Opens device `ordinal` through cudarc and adopts its context: `(cudarc's context, this
+    /// crate's state of it)`. The driver is probed with this crate's loader first, so a machine
+    /// without a usable libcuda gets an error here where `CudaContext::new` would panic in
+    /// cudarc's loader.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context};
+    /// match Context::cudarc(0) {
+    ///     Ok((cu, ctx)) => assert_eq!(ctx.cudarc_context().unwrap().cu_ctx(), cu.cu_ctx()),
+    ///     // No GPU here: the same error as the crate's own loader gives, no panic.
+    ///     Err(e) => assert!(driver::load(driver::Choice::Cuda).is_err(), "{e}"),
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// The loader's error when libcuda cannot be used; the driver's (cudarc's, with its code)
+    /// when the device cannot be opened or its context adopted.
+    pub fn cudarc(ordinal: usize) -> Result<(Arc<CudaContext>, Context)> {
+        let (drv, _) = driver::load(Choice::Cuda)?;
+        // Through the device rules: refused on a host-function thread before any call.
+        let rules = Context::device_layer(drv);
+        rules.init()?;
+        let count = rules.device_count()?;
+        if i32::try_from(ordinal).map_or(true, |o| o >= count) {
+            return Err(Error::invalid(format!(
+                "no CUDA device {ordinal}: the driver reports {count}"
+            )));
+        }
+        // cudarc makes its context current on this thread: the caller's is put back.
+        let before = rules.ctx_get_current()?;
+        let cu = CudaContext::new(ordinal);
+        let ctx = cu
+            .map_err(Error::from)
+            .and_then(|cu| Ok((Context::from_cudarc(&cu)?, cu)));
+        // SAFETY: `before` was current on this thread a moment ago (or null: none); setting it
+        // back is what the caller had.
+        driver::tries(|| unsafe { rules.ctx_set_current(before) });
+        let (ctx, cu) = ctx?;
+        Ok((cu, ctx))
     }
 
     /// [`Context::from_cudarc`] with options.

@@ -189,3 +189,38 @@ fn dropping_the_context_keeps_cudarc_ordering_while_streams_are_lent() {
         "{hit} of {n} words of a reallocated slice were overwritten"
     );
 }
+
+/// `Context::cudarc` (issue 21: the probe that makes "no GPU" an error, not a panic in cudarc's
+/// loader) opens cudarc's primary context and adopts it, and leaves the calling thread's current
+/// context as it found it (cudarc's `CudaContext::new` makes its context current).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cudarc_constructor_adopts_and_restores_the_callers_context() {
+    use cuda_stream_pool::driver;
+    let _serial = common::gpu_lock();
+    let (drv, _) = driver::load(driver::Choice::Cuda).unwrap();
+    drv.init().unwrap();
+    // SAFETY: null: no context current on this thread.
+    unsafe { drv.ctx_set_current(driver::Context::NULL) }.unwrap();
+    let (cu, ctx) = Context::cudarc(0).unwrap();
+    assert_eq!(drv.ctx_get_current().unwrap(), driver::Context::NULL);
+    assert_eq!(ctx.raw(), driver::Context::from(cu.cu_ctx()));
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    assert!(b.to_vec(&s).unwrap().iter().all(|&v| v == 0));
+    assert!(Context::cudarc(usize::MAX).is_err());
+}
+
+/// Without a usable driver `Context::cudarc` is an error, never a panic (the example used to
+/// panic in cudarc's loader on such a machine); with one, it agrees with the crate's loader.
+#[test]
+fn cudarc_constructor_without_a_driver_is_an_error() {
+    let _serial = common::gpu_lock();
+    let probe = cuda_stream_pool::driver::load(cuda_stream_pool::driver::Choice::Cuda);
+    let r = std::panic::catch_unwind(|| Context::cudarc(0).map(|_| ()));
+    let r = r.expect("Context::cudarc panicked");
+    if probe.is_err() {
+        assert!(r.is_err());
+    }
+}

@@ -304,7 +304,9 @@ fn half_precision_buffers_round_trip() {
     let (sim, ctx) = sim_ctx();
     let o = ctx.owner();
     let s = o.stream().unwrap();
-    let h: Vec<f16> = (0..1000).map(|i| f16::from_f32(i as f32 * 0.25 - 7.0)).collect();
+    let h: Vec<f16> = (0..1000)
+        .map(|i| f16::from_f32(i as f32 * 0.25 - 7.0))
+        .collect();
     let b = DeviceBuffer::from_slice(&s, &h).unwrap();
     assert_eq!(b.to_vec(&s).unwrap(), h);
     let z = DeviceBuffer::<bf16>::zeroed(&s, 333).unwrap();
@@ -317,4 +319,3 @@ fn half_precision_buffers_round_trip() {
     drop(o);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
-
