@@ -64,7 +64,7 @@ impl Future for Completion {
     type Output = Result<()>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
-        self.entry.poll(cx.waker()).map(Ok)
+        self.entry.poll(cx.waker())
     }
 }
 

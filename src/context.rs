@@ -759,6 +759,37 @@ impl Context {
         self.inner.bind()
     }
 
+    /// Whether the context is alive: `Err` with the driver's sticky error once a kernel
+    /// faulted it ([`crate::ErrorCode::is_sticky`]), after which every call that touches the context
+    /// fails with that error and work enqueued in it never completes. Pending
+    /// [`crate::Completion`]s and [`crate::HostCopy`]s of the context then resolve with the
+    /// error (the completion poller asks the driver every few milliseconds while they wait and
+    /// nothing lands). Makes one cheap driver call (a stream query) unless the fault is known.
+    ///
+    /// A dead context cannot be revived. On an H200 (driver 580) the process cannot make a
+    /// working context on that device again either (docs/gpu.md): restart the process, or keep
+    /// GPU work in a child process that can be replaced.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::SimDriver, Context, ErrorCode};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// assert!(ctx.health().is_ok());
+    /// sim.kill_context(ctx.raw(), ErrorCode::ERROR_ILLEGAL_ADDRESS); // a kernel faulted
+    /// let e = ctx.health().unwrap_err();
+    /// assert_eq!(e.code(), Some(ErrorCode::ERROR_ILLEGAL_ADDRESS));
+    /// ```
+    ///
+    /// # Errors
+    /// The sticky error.
+    pub fn health(&self) -> Result<()> {
+        match self.inner.fault(true) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// `cuCtxSynchronize`: waits for all work of the context, other crates' streams included.
     ///
     /// It waits for capturing streams too, which the driver refuses: while any stream of the
@@ -945,15 +976,23 @@ impl CtxInner {
     /// The context's completion hub (made on first use; its memory and thread come later).
     pub(crate) fn hub(&self) -> &Arc<crate::hub::Hub> {
         self.hub.get_or_init(|| {
-            crate::hub::Hub::new(crate::pinned::Home {
+            let home = crate::pinned::Home {
                 driver: self.driver.clone(),
                 raw: self.rules.inner.clone(),
                 world: self.rules.inner.world(),
                 ctx: self.raw,
                 device: self.device,
                 maybe_primary: self.primary || self._keep_alive.is_some(),
-            })
+            };
+            let (rules, disposal) = (self.rules.clone(), self.disposal.clone());
+            let health: crate::hub::Health = Box::new(move |probe| fault(&rules, &disposal, probe));
+            crate::hub::Hub::new(home, health)
         })
+    }
+
+    /// The context's sticky error, if any (see [`Context::health`]).
+    pub(crate) fn fault(&self, probe: bool) -> Option<Error> {
+        fault(&self.rules, &self.disposal, probe)
     }
 
     /// Opens a scope of the device rules (driver/rules.rs) for an operation that makes several
@@ -1373,6 +1412,25 @@ impl CtxInner {
             }
         }
     }
+}
+
+/// The sticky error that the device rules recorded for the context, if any; with `probe`, after
+/// a cheap call that would reveal one (a query of the disposal stream, which is never captured;
+/// relaxed by the rules).
+fn fault(
+    rules: &driver::Hooked<driver::DeviceRules>,
+    disposal: &Slot,
+    probe: bool,
+) -> Option<Error> {
+    if probe && rules.hook.fault().is_none() {
+        let st = disposal.lock();
+        if !st.destroyed {
+            // SAFETY: the disposal stream is live (not destroyed, under its lock) and never
+            // captured. Its result matters only as the device rules record a sticky error.
+            let _ = unsafe { rules.probe_sticky(disposal.raw) };
+        }
+    }
+    rules.hook.fault()
 }
 
 impl CtxInner {

@@ -63,6 +63,12 @@ codes! {
     ERROR_NOT_READY = 600,
     ERROR_ILLEGAL_ADDRESS = 700,
     ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    ERROR_LAUNCH_TIMEOUT = 702,
+    ERROR_HARDWARE_STACK_ERROR = 714,
+    ERROR_ILLEGAL_INSTRUCTION = 715,
+    ERROR_MISALIGNED_ADDRESS = 716,
+    ERROR_INVALID_ADDRESS_SPACE = 717,
+    ERROR_INVALID_PC = 718,
     ERROR_LAUNCH_FAILED = 719,
     ERROR_NOT_PERMITTED = 800,
     ERROR_NOT_SUPPORTED = 801,
@@ -76,6 +82,23 @@ codes! {
     ERROR_CAPTURED_EVENT = 907,
     ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
     ERROR_UNKNOWN = 999,
+}
+
+impl ErrorCode {
+    /// Whether the code is a *sticky* error: a kernel faulted its context (an illegal address,
+    /// instruction or program counter, a misaligned or wrong-space access, a hardware stack
+    /// error, a launch failure or timeout). The context is then dead: every later call that
+    /// touches it returns the same code, work enqueued in it never completes, and (measured on
+    /// an H200, driver 580) the process cannot create a working context on that device again.
+    ///
+    /// ```
+    /// use cuda_stream_pool::ErrorCode;
+    /// assert!(ErrorCode::ERROR_ILLEGAL_ADDRESS.is_sticky());
+    /// assert!(!ErrorCode::ERROR_OUT_OF_MEMORY.is_sticky());
+    /// ```
+    pub fn is_sticky(self) -> bool {
+        matches!(self.0, 700 | 702 | 714..=719)
+    }
 }
 
 /// Everything that can go wrong in this crate. No public function panics on bad input or on a
@@ -134,6 +157,12 @@ impl Error {
             Error::Driver { code, .. } => Some(*code),
             _ => None,
         }
+    }
+
+    /// Whether this is a sticky error of the driver ([`ErrorCode::is_sticky`]): the context is
+    /// dead, and retrying is pointless (see [`crate::Context::health`]).
+    pub fn is_sticky(&self) -> bool {
+        self.code().is_some_and(ErrorCode::is_sticky)
     }
 
     /// Builds a driver error whose name comes from the crate's table (`CUDA_ERROR_(unnamed)` for

@@ -46,6 +46,8 @@ pub(crate) struct Entry {
 #[derive(Default)]
 struct EntryState {
     done: bool,
+    /// Set when the entry was given up: the context died before the write landed.
+    error: Option<Error>,
     waker: Option<Waker>,
     /// Host memory the GPU may still write, kept until the write has landed (a dropped future's).
     keep: Option<Box<dyn Any + Send>>,
@@ -72,11 +74,14 @@ impl Entry {
     /// A future's poll: ready once the write has landed, else `waker` is stored for the poller.
     /// A waker's clone and drop are user code: the new waker is cloned before the lock, and the
     /// one it replaces dropped after it.
-    pub(crate) fn poll(&self, waker: &Waker) -> Poll<()> {
+    pub(crate) fn poll(&self, waker: &Waker) -> Poll<Result<()>> {
         {
             let st = lock(&self.state);
-            if st.done || self.landed() {
-                return Poll::Ready(());
+            if self.landed() {
+                return Poll::Ready(Ok(()));
+            }
+            if st.done {
+                return Poll::Ready(st.outcome());
             }
             if st.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
                 return Poll::Pending;
@@ -86,7 +91,10 @@ impl Entry {
         let replaced = {
             let mut st = lock(&self.state);
             if st.done {
-                return Poll::Ready(());
+                let r = st.outcome();
+                drop(st);
+                drop(new);
+                return Poll::Ready(r);
             }
             st.waker.replace(new)
         };
@@ -94,7 +102,7 @@ impl Entry {
         // The flag may have landed (and the poller passed by) between the check and storing the
         // waker: check again, so that the wake-up cannot be lost.
         if self.landed() {
-            return Poll::Ready(());
+            return Poll::Ready(Ok(()));
         }
         Poll::Pending
     }
@@ -113,11 +121,13 @@ impl Entry {
         None
     }
 
-    /// Marks the entry done and wakes its waker; the kept memory is dropped after the lock.
-    fn finish(&self) {
+    /// Marks the entry done (given up with `error`, if any) and wakes its waker; the kept
+    /// memory is dropped after the lock.
+    fn finish(&self, error: Option<Error>) {
         let (waker, keep) = {
             let mut st = lock(&self.state);
             st.done = true;
+            st.error = error;
             (st.waker.take(), st.keep.take())
         };
         drop(keep);
@@ -125,6 +135,16 @@ impl Entry {
             // A panicking waker is contained: it must not stop the poller (whose entries keep
             // memory that copies still write).
             crate::hostfn::wake_task(w);
+        }
+    }
+}
+
+impl EntryState {
+    /// What a finished entry resolves with.
+    fn outcome(&self) -> Result<()> {
+        match &self.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
         }
     }
 }
@@ -170,7 +190,20 @@ pub(crate) struct Hub {
     pub(crate) completed: AtomicU64,
     /// The poller's passes over its pending entries (see [`Hub::poller_progress`]).
     passes: AtomicU64,
+    /// The context's health (see [`Health`]).
+    health: Health,
 }
+
+/// The context's sticky error, if a call returned one (`false`: a read of what the device rules
+/// recorded, no driver call), or after a cheap driver call that would reveal one (`true`). The
+/// poller asks while completions are pending and no flag moves: a faulted context never writes
+/// them, and would leave their futures pending for ever.
+pub(crate) type Health = Box<dyn Fn(bool) -> Option<Error> + Send + Sync>;
+
+/// How long the poller waits with no flag landing before it asks the driver about the
+/// context's health, and how often it asks after that: one `cuStreamQuery` (and its pair of
+/// capture-mode switches) per period, only while completions are pending and none lands.
+const PROBE_EVERY: Duration = Duration::from_millis(5);
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -179,7 +212,7 @@ impl std::fmt::Debug for Hub {
 }
 
 impl Hub {
-    pub(crate) fn new(home: Home) -> Arc<Hub> {
+    pub(crate) fn new(home: Home, health: Health) -> Arc<Hub> {
         Arc::new(Hub {
             driver: home.driver.clone(),
             home,
@@ -198,6 +231,7 @@ impl Hub {
             thread: Mutex::new(None),
             completed: AtomicU64::new(0),
             passes: AtomicU64::new(0),
+            health,
         })
     }
 
@@ -322,6 +356,7 @@ impl Hub {
         let _ = IN_POLLER.try_with(|p| p.set(true));
         let mut mine: Vec<Arc<Entry>> = Vec::new();
         let mut last = Instant::now();
+        let mut last_probe = Instant::now();
         let mut spins = 0u32;
         loop {
             {
@@ -359,7 +394,7 @@ impl Hub {
                     st.running = true;
                 }
                 for e in &landed {
-                    e.finish();
+                    e.finish(None);
                 }
                 let freed = landed.iter().map(|e| e.slot);
                 self.completed
@@ -372,6 +407,30 @@ impl Hub {
                 drop(landed);
                 last = Instant::now();
                 spins = 0;
+                self.passes.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
+            // A dead context never writes the pending flags: their futures resolve with its
+            // error (a landed one above resolved with success: its work did complete).
+            let probe = last.elapsed() >= PROBE_EVERY && last_probe.elapsed() >= PROBE_EVERY;
+            if probe {
+                last_probe = Instant::now();
+            }
+            if let Some(error) = (self.health)(probe) {
+                {
+                    let mut st = lock(&self.state);
+                    if self.stop.load(Ordering::Acquire) {
+                        return mine;
+                    }
+                    st.running = true;
+                }
+                // Their slots are not reused: nothing is known of the writes.
+                let given_up = std::mem::take(&mut mine);
+                for e in &given_up {
+                    e.finish(Some(error.clone()));
+                }
+                lock(&self.state).running = false;
+                drop(given_up);
                 self.passes.fetch_add(1, Ordering::SeqCst);
                 continue;
             }
@@ -506,7 +565,7 @@ impl Hub {
         let mut leak = false;
         for e in pending {
             if e.landed() {
-                e.finish();
+                e.finish(None);
             } else {
                 leak = true;
                 // The GPU may still write what the entry keeps: never free it.

@@ -187,6 +187,12 @@ unsafe impl<H: Hook> Driver for Hooked<H> {
             unsafe { self.inner.stream_query(stream) }
         })
     }
+    unsafe fn probe_sticky(&self, stream: Stream) -> Result<()> {
+        self.hook.call("cuStreamQuery", || {
+            // SAFETY: forwarded with the caller's contract.
+            unsafe { self.inner.probe_sticky(stream) }
+        })
+    }
     unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()> {
         self.hook.call("cuStreamSynchronize", || {
             // SAFETY: forwarded with the caller's contract.

@@ -466,6 +466,25 @@ pub unsafe trait Driver: Send + Sync + 'static {
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` for a capturing stream (the capture is
     /// invalidated); otherwise as every method (see [`Driver`](Driver#errors)).
     unsafe fn stream_query(&self, stream: Stream) -> Result<bool>;
+    /// Asks whether the context of `stream` has met a sticky error ([`crate::ErrorCode::is_sticky`]),
+    /// by the cheapest call that reports one: `cuStreamQuery`, whose other results are ignored.
+    /// The crate's completion poller asks it every few milliseconds while completions wait and
+    /// none lands (a dead context never writes their flags). The simulated driver answers
+    /// without counting, logging or observing anything (so that this background call cannot
+    /// shift injected faults or order work for its race checks).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this driver that is not capturing.
+    ///
+    /// # Errors
+    /// The sticky error, if any; otherwise as every method (see [`Driver`](Driver#errors)).
+    unsafe fn probe_sticky(&self, stream: Stream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        match unsafe { self.stream_query(stream) } {
+            Err(e) if e.is_sticky() => Err(e),
+            _ => Ok(()),
+        }
+    }
     /// `cuStreamSynchronize`.
     ///
     /// # Safety

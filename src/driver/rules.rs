@@ -131,6 +131,8 @@ pub(crate) struct DeviceRules {
     /// The context made current for calls; 0 while none is known yet (before the retain) and
     /// after the context's teardown released it.
     ctx: AtomicU64,
+    /// The first sticky error a call of the context returned ([`DeviceRules::fault`]).
+    fault: std::sync::OnceLock<Error>,
 }
 
 impl std::fmt::Debug for DeviceRules {
@@ -146,7 +148,15 @@ impl DeviceRules {
         DeviceRules {
             raw,
             ctx: AtomicU64::new(0),
+            fault: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The first sticky error ([`ErrorCode::is_sticky`]: a kernel faulted the context) that any
+    /// call of the context returned, if any: the context is dead from then on. Every call goes
+    /// through these rules, so none can miss it.
+    pub(crate) fn fault(&self) -> Option<Error> {
+        self.fault.get().cloned()
     }
 
     /// Sets the context that calls are made in (null: none, calls leave the current context as
@@ -360,8 +370,21 @@ unsafe impl super::Hook for DeviceRules {
         Ok(())
     }
 
-    fn call<R>(&self, call: &'static str, mut f: impl FnMut() -> Result<R>) -> Result<R> {
-        self.before(call)?;
+    fn call<R>(&self, call: &'static str, f: impl FnMut() -> Result<R>) -> Result<R> {
+        let r = self.call_in_rules(call, f);
+        if let Err(e) = &r {
+            if e.is_sticky() {
+                let _ = self.fault.set(e.clone());
+            }
+        }
+        r
+    }
+}
+
+impl DeviceRules {
+    /// [`Hook::call`](super::Hook::call) without the fault's bookkeeping.
+    fn call_in_rules<R>(&self, call: &'static str, mut f: impl FnMut() -> Result<R>) -> Result<R> {
+        super::Hook::before(self, call)?;
         let need = need(call);
         if !need.bind && !need.relax {
             return f();

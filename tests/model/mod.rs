@@ -244,7 +244,11 @@ pub enum WOp {
     },
 }
 
-const CODES: [u32; 5] = [1, 2, 400, 700, 999];
+/// The codes of injected one-call faults. No sticky code ([`ErrorCode::is_sticky`]): on the real
+/// driver those never fail one call alone, they kill the context (every later call fails, and the
+/// crate then gives its futures up with the error: `tests/device_faults.rs`). 701
+/// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`) took the place of 700, so inputs keep their shape.
+const CODES: [u32; 5] = [1, 2, 400, 701, 999];
 
 /// Decodes operations until the bytes run out (at most `max` of them). With `leaks`, the
 /// operations include [`Op::LeakCapture`], which leaks the whole context by design (the fuzzer,

@@ -11,6 +11,8 @@ use super::*;
 /// tracked per record, not as a maximum.
 #[derive(Default)]
 pub(super) struct SimEvent {
+    /// The context the event was created in.
+    pub(super) ctx: u64,
     pub(super) recorded: u64,
     pub(super) pending: std::collections::BTreeSet<u64>,
     pub(super) done_at: u64,
@@ -131,8 +133,10 @@ impl SimDriver {
         self.unsafe_call(&mut st, "cuEventSynchronize")?;
         let target = st.events[&event.0].recorded;
         let vc = st.events[&event.0].vc.clone();
+        let ctx = st.events[&event.0].ctx;
         self.wait_until(
             st,
+            ctx,
             "cuEventSynchronize",
             |st| st.events.get(&event.0).is_none_or(|e| e.is_done(target)),
             |st| Self::host_observes(st, &vc),

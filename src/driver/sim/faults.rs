@@ -67,6 +67,9 @@ impl SimDriver {
             }
         }
         st.faults.retain(|f| f.remaining > 0);
+        if fail.is_none() && !st.dead.is_empty() {
+            fail = self.sticky(&st, name, stream, event);
+        }
         if let Some(log) = st.log.as_mut() {
             log.push(Call {
                 name,
@@ -83,6 +86,79 @@ impl SimDriver {
             }
             None => Ok(st),
         }
+    }
+
+    /// The sticky error of a dead context that this call touches, as the H200 returns it
+    /// (docs/gpu.md, "A kernel that faults its context"): every call in the context fails but
+    /// the thread's context and capture-mode switches, the primary context's state queries,
+    /// releases and resets, memory-pool creation, and calls that name no context.
+    fn sticky(
+        &self,
+        st: &State,
+        name: &'static str,
+        stream: Option<Stream>,
+        event: Option<Event>,
+    ) -> Option<ErrorCode> {
+        const STILL_WORK: &[&str] = &[
+            "cuInit",
+            "cuDriverGetVersion",
+            "cuDeviceGet",
+            "cuDeviceGetCount",
+            "cuDeviceGetName",
+            "cuDeviceGetAttribute",
+            "cuDeviceGetDefaultMemPool",
+            "cuDevicePrimaryCtxGetState",
+            "cuDevicePrimaryCtxRelease_v2",
+            "cuDevicePrimaryCtxReset_v2",
+            "cuDevicePrimaryCtxRetain",
+            "cuCtxGetCurrent",
+            "cuCtxSetCurrent",
+            "cuThreadExchangeStreamCaptureMode",
+            "cuMemPoolCreate",
+        ];
+        if STILL_WORK.contains(&name) {
+            // A retain of a dead primary context fails: in `primary_ctx_retain`.
+            return None;
+        }
+        let ctx = stream
+            .and_then(|s| st.streams.get(&s.0).map(|s| s.ctx))
+            .or_else(|| {
+                event.and_then(|e| {
+                    st.events
+                        .get(&e.0)
+                        .or_else(|| st.retired_events.get(&e.0))
+                        .map(|e| e.ctx)
+                })
+            })
+            .unwrap_or_else(|| self.thread().ctx);
+        st.dead.get(&ctx).copied()
+    }
+
+    /// Kills context `ctx` the way a kernel fault does on the real driver (a sticky error such
+    /// as `CUDA_ERROR_ILLEGAL_ADDRESS`): from now on every call that touches the context fails
+    /// with `code` (the calls that still work on an H200 excepted), work enqueued on its
+    /// streams never completes (host functions never run), and the device's primary context
+    /// cannot be retained again (the process must be restarted; measured: docs/gpu.md).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, ErrorCode};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// sim.kill_context(ctx.raw(), ErrorCode::ERROR_ILLEGAL_ADDRESS);
+    /// let e = s.synchronize().unwrap_err();
+    /// assert_eq!(e.code(), Some(ErrorCode::ERROR_ILLEGAL_ADDRESS));
+    /// assert!(e.is_sticky());
+    /// ```
+    pub fn kill_context(&self, ctx: Context, code: ErrorCode) {
+        self.lock().dead.insert(ctx.0, code);
+    }
+
+    /// The sticky error of context `ctx`, if it was killed ([`SimDriver::kill_context`]).
+    pub fn context_error(&self, ctx: Context) -> Option<ErrorCode> {
+        self.lock().dead.get(&ctx.0).copied()
     }
 
     pub(super) fn fail_last(st: &mut State) {

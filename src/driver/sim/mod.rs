@@ -191,6 +191,8 @@ struct State {
     host_mem: HostMem,
     /// Stream creations blocked right now ([`SimConfig::create_stall_at`]).
     blocked_creates: u64,
+    /// Contexts killed by a sticky error ([`SimDriver::kill_context`]), with the error.
+    dead: HashMap<u64, ErrorCode>,
 }
 
 static NEXT_SIM: AtomicU64 = AtomicU64::new(1);
@@ -352,6 +354,7 @@ impl SimDriver {
                 next_due: u64::MAX,
                 host_mem: HostMem::default(),
                 blocked_creates: 0,
+                dead: HashMap::new(),
             }),
             cv: Arc::new(Condvar::new()),
             host_jobs: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
@@ -756,6 +759,10 @@ unsafe impl Driver for SimDriver {
                 c
             }
         };
+        if let Some(&code) = st.dead.get(&ctx) {
+            // H200: after a sticky error no retain succeeds (docs/gpu.md), reset or not.
+            return Self::fail(&mut st, code, "cuDevicePrimaryCtxRetain");
+        }
         let e = st.contexts.get_mut(&ctx).unwrap();
         e.1 += 1;
         if e.1 == 1 {
@@ -836,8 +843,10 @@ unsafe impl Driver for SimDriver {
             spin(ns.min(l.sync * 200_000));
             st = self.lock();
         }
+        let ctx = self.thread().ctx;
         self.wait_until(
             st,
+            ctx,
             "cuCtxSynchronize",
             |st| st.busy.is_empty(),
             |st| {
@@ -968,13 +977,26 @@ unsafe impl Driver for SimDriver {
         Ok(idle)
     }
 
+    unsafe fn probe_sticky(&self, stream: Stream) -> Result<()> {
+        // A background question (see the trait): no cost, count, log, fault injection or
+        // observation; only a dead context's error.
+        let st = self.lock();
+        let ctx = st.streams.get(&stream.0).map_or(0, |s| s.ctx);
+        match st.dead.get(&ctx) {
+            Some(&code) => Err(err(code, "cuStreamQuery")),
+            None => Ok(()),
+        }
+    }
+
     unsafe fn stream_synchronize(&self, stream: Stream) -> Result<()> {
         let mut st = self.enter("cuStreamSynchronize", Some(stream), None, None)?;
         Self::check_stream(&mut st, stream, "cuStreamSynchronize")?;
         Self::not_capturing(&mut st, stream, "cuStreamSynchronize")?;
         self.unsafe_call(&mut st, "cuStreamSynchronize")?;
+        let ctx = st.streams.get(&stream.0).map_or(0, |s| s.ctx);
         self.wait_until(
             st,
+            ctx,
             "cuStreamSynchronize",
             |st| st.streams.get(&stream.0).is_none_or(|s| s.queue.is_empty()),
             |st| {
@@ -1009,7 +1031,14 @@ unsafe impl Driver for SimDriver {
             return Self::fail(&mut st, ErrorCode::ERROR_INVALID_VALUE, "cuEventCreate");
         }
         let id = Self::new_id(&mut st);
-        st.events.insert(id, SimEvent::default());
+        let ctx = self.thread().ctx;
+        st.events.insert(
+            id,
+            SimEvent {
+                ctx,
+                ..SimEvent::default()
+            },
+        );
         st.counters.live_events += 1;
         if let Some(c) = st.log.as_mut().and_then(|l| l.last_mut()) {
             c.event = Some(Event(id));

@@ -358,6 +358,10 @@ impl SimDriver {
                         st.watch.remove(&id);
                         break;
                     };
+                    if st.dead.contains_key(&s.ctx) {
+                        // A dead context's work never completes (`SimDriver::kill_context`).
+                        break;
+                    }
                     let free_at = s.free_at;
                     let Some(head) = s.queue.front_mut() else {
                         st.busy.remove(&id);
@@ -504,6 +508,7 @@ impl SimDriver {
     pub(super) fn wait_until<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
+        ctx: u64,
         call: &'static str,
         done: impl Fn(&State) -> bool,
         then: impl FnOnce(&mut State),
@@ -511,6 +516,10 @@ impl SimDriver {
         let mut host_wait_since: Option<Instant> = None;
         loop {
             self.progress(&mut st);
+            if let Some(&code) = st.dead.get(&ctx) {
+                // The context died while this call waited (`SimDriver::kill_context`).
+                return Self::fail(&mut st, code, call);
+            }
             if done(&st) {
                 then(&mut st);
                 if let Some(l) = self.lat() {
