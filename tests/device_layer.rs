@@ -6,10 +6,14 @@
 
 mod common;
 
-use common::ForeignCapture;
+#[path = "common/calls.rs"]
+mod calls;
+
+use calls::{fmt_calls, setup};
+use common::{capture_survives, ForeignCapture};
 use cuda_stream_pool::driver::{CaptureMode, Driver, SimConfig, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
-use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode};
+use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode, OwnedStream, Priority};
 use std::sync::Arc;
 
 fn capture_intact(r: cuda_stream_pool::Result<cuda_stream_pool::driver::Graph>) {
@@ -154,6 +158,44 @@ fn dropping_kernels_keeps_foreign_capture(d: &Arc<dyn Driver>) {
     });
 }
 
+// Pins soundness review (issue 12) defect 9 (both drivers): owned-stream drops and teardowns killed another thread's capture
+/// Defect 9 on both drivers: dropping an `OwnedStream`, and tearing a context down, on a thread
+/// in global mode, while another thread captures in global mode: the capture survives.
+fn owned_stream_drop_keeps_foreign_capture(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let os = OwnedStream::new(&ctx, Priority::Normal).unwrap();
+    let other = common::ctx(d);
+    other.owner().stream().unwrap();
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    drop(os);
+    drop(other);
+    capture_survives(fc.end());
+}
+
+// Pins soundness review (issue 12) defect 15 (both drivers): the crate's allocations and frees invalidated captures
+/// Defect 15 on both drivers: allocations and frees of the crate, on a thread in global mode,
+/// on a stream that is not capturing, while another thread captures in global mode (and while
+/// this thread captures in thread-local mode): every capture survives.
+fn alloc_free_keep_captures(d: &Arc<dyn Driver>) {
+    let ctx = common::ctx(d);
+    let (oa, ob, oc) = (ctx.owner(), ctx.owner(), ctx.owner());
+    let (s, t, u) = (
+        oa.stream().unwrap(),
+        ob.stream().unwrap(),
+        oc.stream().unwrap(),
+    );
+    let fc = ForeignCapture::new(d, ctx.raw(), s.raw());
+    let own = u.begin_capture().unwrap();
+    for _ in 0..3 {
+        let b = DeviceBuffer::<u32>::zeroed(&t, 256).unwrap();
+        drop(b);
+    }
+    capture_survives(own.end());
+    capture_survives(fc.end());
+}
+
 on_both_drivers! {
     context_synchronize_fails_on_a_capturing_context,
     dropping_kernels_keeps_foreign_capture,
@@ -164,6 +206,8 @@ on_both_drivers! {
     set_release_threshold_keeps_foreign_capture,
     instantiate_keeps_foreign_capture,
     kernels_load_keeps_foreign_capture,
+    owned_stream_drop_keeps_foreign_capture,
+    alloc_free_keep_captures,
 }
 
 // Regression: issue 19 defect 12 (Context::primary inside a host function calls cuInit)
@@ -499,4 +543,58 @@ fn an_operation_with_several_queries_makes_one_mode_exchange_pair() {
     let count = |n: &str| names.iter().filter(|c| **c == n).count();
     assert_eq!(count("cuStreamQuery"), 3, "{names:?}");
     assert_eq!(count("cuThreadExchangeStreamCaptureMode"), 2, "{names:?}");
+}
+
+// Pins soundness review (issue 12) defect 9: dropping an `OwnedStream` invalidated another thread's global capture
+#[test]
+fn dropping_an_owned_stream_keeps_another_threads_global_capture() {
+    let (sim, ctx) = setup();
+    let d: Arc<dyn Driver> = sim.clone();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let os = OwnedStream::new(&ctx, Priority::Normal).unwrap();
+    let fc = ForeignCapture::new(&d, ctx.raw(), s.raw());
+    drop(os); // this thread is in global mode
+    let r = fc.end();
+    assert!(
+        r.is_ok(),
+        "dropping an OwnedStream invalidated another thread's global capture: {:?}",
+        r.map(|_| ())
+    );
+}
+
+// Pins soundness review (issue 12) defect 15: implicit allocations and frees invalidated another thread's global capture
+#[test]
+fn alloc_and_free_switch_to_relaxed_mode_and_keep_another_threads_global_capture() {
+    let (sim, ctx) = setup();
+    let d: Arc<dyn Driver> = sim.clone();
+    let (oa, ob) = (ctx.owner(), ctx.owner());
+    let (s, t) = (oa.stream().unwrap(), ob.stream().unwrap());
+    let fc = ForeignCapture::new(&d, ctx.raw(), s.raw());
+    sim.clear_calls();
+    let buf = DeviceBuffer::<u32>::alloc(&t, 64).unwrap();
+    drop(buf);
+    let calls = sim.calls();
+    let r = fc.end();
+    let relaxed_before = |name: &str| {
+        let i = calls
+            .iter()
+            .position(|c| c.name.starts_with(name))
+            .unwrap_or(0);
+        calls[..i]
+            .iter()
+            .any(|c| c.name == "cuThreadExchangeStreamCaptureMode")
+    };
+    let (alloc_ok, free_ok) = (
+        relaxed_before("cuMemAlloc"),
+        relaxed_before("cuMemFreeAsync"),
+    );
+    assert!(
+        r.is_ok() && alloc_ok && free_ok,
+        "an allocation and a free on a global-mode thread while another thread captures in \
+         global mode: capture end {:?}; mode switched before the alloc: {alloc_ok}, before the \
+         free: {free_ok}; calls: {}",
+        r.as_ref().map(|_| ()),
+        fmt_calls(&calls)
+    );
 }

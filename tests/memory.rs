@@ -1,7 +1,11 @@
 //! Generation-tracked device memory: scenarios on both drivers, call-log assertions on the
 //! simulation.
 
+#[path = "common/calls.rs"]
+mod calls;
 mod common;
+
+use calls::setup;
 
 use common::Gate;
 use cuda_stream_pool::driver::{Driver, SimConfig, SimDriver};
@@ -317,5 +321,106 @@ fn half_precision_buffers_round_trip() {
     drop((b, z, b2));
     drop(s);
     drop(o);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+// Pins soundness review (issue 12) defect 14: deferred frees missed their capture's end; failed frees waited for `trim()`
+#[test]
+fn deferred_frees_run_at_capture_end_and_at_later_operations_without_trim() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    // (a) Dropped during a capture of its stream: freed when the capture ends, without trim().
+    // (The race of the review, the slot lock released before the entry is pushed, is not
+    // reproduced: its window holds no driver call, so the pausing driver cannot stop a thread
+    // inside it. This part checks the sequential behaviour only.)
+    let a = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    s.synchronize().unwrap();
+    let pa = a.as_raw();
+    let g = s.begin_capture().unwrap();
+    drop(a);
+    drop(g.end().unwrap());
+    let freed = |p| {
+        sim.calls()
+            .iter()
+            .any(|c| c.name == "cuMemFreeAsync" && c.ok && c.ptr == Some(p))
+    };
+    let a_freed = freed(pa);
+    // (b) A free that failed everywhere is retried by later ordinary operations, without trim().
+    let b = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    s.synchronize().unwrap();
+    let pb = b.as_raw();
+    sim.fail_calls("cuMemFreeAsync", ErrorCode::ERROR_UNKNOWN, 4);
+    drop(b);
+    sim.clear_faults();
+    assert!(!freed(pb), "setup: the free should have failed");
+    for _ in 0..3 {
+        let o2 = ctx.owner();
+        let s2 = o2.stream().unwrap();
+        let x = DeviceBuffer::<u32>::zeroed(&s2, 16).unwrap();
+        s2.synchronize().unwrap();
+        drop(x);
+        drop(o2);
+    }
+    drop(o);
+    let b_freed = freed(pb);
+    assert!(
+        a_freed && b_freed,
+        "deferred frees wait for trim()/teardown: freed at the end of its capture: {a_freed}; \
+         failed free retried by later operations: {b_freed}"
+    );
+}
+
+// Pins soundness review (issue 12) defect 17 (found after the review): a failed wait freed memory a copy still targets
+/// Found while hunting a heap corruption of the model test: a host copy whose synchronize failed
+/// returned the error while the copy was still pending, and the host memory (to_vec's vector,
+/// or the caller's slice) was freed or reused while the copy could still write it (read it).
+/// The copy must target memory that outlives it: staging memory that is leaked when the wait
+/// fails.
+#[test]
+fn a_failed_wait_never_frees_memory_a_copy_still_targets() {
+    use cuda_stream_pool::driver::SimDriver;
+    use cuda_stream_pool::ErrorCode;
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let b = DeviceBuffer::<u8>::zeroed(&s, 1 << 16).unwrap();
+    s.synchronize().unwrap();
+    let mut reads = Vec::new();
+    for round in 0..3 {
+        sim.enqueue_work(s.raw(), 1_000_000).unwrap(); // the copy waits behind this
+        sim.fail_calls("cuStreamSynchronize", ErrorCode::ERROR_UNKNOWN, 1);
+        let r = match round {
+            0 => b.to_vec(&s).map(|_| ()),
+            1 => {
+                let mut dst = vec![7u8; 1 << 16];
+                let r = b.copy_to_host(&s, &mut dst);
+                reads.push(dst); // the caller reuses its slice
+                r
+            }
+            _ => {
+                let mut b2 = DeviceBuffer::<u8>::zeroed(&s, 1 << 16).unwrap();
+                let src = vec![1u8; 1 << 16];
+                let r = b2.copy_from_host(&s, &src);
+                drop(src); // freed: the pending copy must not read it
+                s.synchronize().unwrap();
+                drop(b2);
+                r
+            }
+        };
+        assert!(r.is_err(), "the injected fault did not hit the wait");
+        // The pending copy lands now: into memory the crate kept, not into freed memory.
+        sim.advance(2_000_000);
+        s.synchronize().unwrap();
+    }
+    // The caller's slice was not written after the call returned.
+    assert!(
+        reads[0].iter().all(|&x| x == 7),
+        "a copy wrote the caller's slice after the call"
+    );
+    // The kept staging memory is released once its copies are known complete.
+    ctx.trim().unwrap();
+    assert_eq!(ctx.pending(), 0);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }

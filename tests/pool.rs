@@ -1,12 +1,18 @@
 //! The stream pool, owners and priorities: each scenario runs on the simulated driver and, as a GPU
-//! test, on the real one.
+//! test, on the real one; call-log checks on the simulation (a retired capturing stream is never
+//! touched, a priority switch never waits into a capture).
 
+#[path = "common/calls.rs"]
+mod calls;
 mod common;
 
+use calls::{fmt_calls, recorded_on, setup};
 use common::Gate;
-use cuda_stream_pool::driver::{Driver, SimDriver};
-use cuda_stream_pool::{Context, DeviceBuffer, Error, Priority, MAX_IDLE};
+use cuda_stream_pool::driver::sim::Call;
+use cuda_stream_pool::driver::{CaptureStatus, Driver, SimDriver, Stream};
+use cuda_stream_pool::{Context, DeviceBuffer, Error, Priority, PriorityRange, MAX_IDLE};
 use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
 
 fn gate(s: &cuda_stream_pool::StreamRef) -> Gate {
     Gate::on(&**s.context().driver(), s.raw())
@@ -377,5 +383,192 @@ fn idle_streams_of_a_key_never_exceed_max_idle_once_their_work_completed() {
         sim.counters().live_streams <= MAX_IDLE as u64 + 1,
         "{:?}",
         sim.counters()
+    );
+}
+
+/// `cuStreamWaitEvent`s on `capturing` (from index `since`) for events recorded on another
+/// stream: on the GPU, CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and the capture is invalidated.
+fn waits_into_capture(calls: &[Call], capturing: Stream, since: usize) -> Vec<Call> {
+    (since..calls.len())
+        .filter(|&i| {
+            let c = &calls[i];
+            c.name == "cuStreamWaitEvent"
+                && c.stream == Some(capturing)
+                && c.event
+                    .and_then(|e| recorded_on(calls, e, i))
+                    .is_some_and(|on| on != capturing)
+        })
+        .map(|i| calls[i].clone())
+        .collect()
+}
+
+// Pins soundness review (issue 12) defect 8: the pool's search killed a live capture on a retired stream
+#[test]
+fn the_pool_never_hands_out_nor_touches_a_retired_stream_still_capturing() {
+    let (_sim, ctx) = setup();
+    let a = ctx.owner();
+    let s = a.stream().unwrap();
+    let raw = s.raw();
+    // The guard borrows the owner now (dropping the owner under it does not compile); a guard
+    // leaked with `mem::forget` still leaves a retired stream capturing.
+    std::mem::forget(s.begin_capture().unwrap());
+    drop(s);
+    drop(a);
+    let b = ctx.owner();
+    let sb = b.stream().unwrap();
+    // SAFETY: `raw` is alive: a stream that is captured is never destroyed by the pool.
+    let status = unsafe { ctx.driver().stream_capture_info(raw) }.map(|(st, _)| st);
+    // SAFETY: as above; the capture was begun by this thread.
+    let end = unsafe { ctx.driver().stream_end_capture(raw) };
+    assert!(
+        sb.raw() != raw && status == Ok(CaptureStatus::Active) && end.is_ok(),
+        "the next acquire touched the retired capturing stream: capture status {status:?}, \
+         end {:?}, handed out the capturing stream: {}",
+        end.map(|_| ()),
+        sb.raw() == raw
+    );
+}
+
+// Pins soundness review (issue 12) defect 12: `live_streams()` and `stats()` underflowed while streams were trimmed
+#[test]
+fn live_streams_never_underflows_while_other_threads_retire_and_trim_streams() {
+    let (_sim, ctx) = setup();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut bad: Option<String> = None;
+    std::thread::scope(|sc| {
+        for _ in 0..3 {
+            sc.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Churn: more than MAX_IDLE streams retired, so the pool trims (destroys)
+                    // some on the next acquire; trim() destroys the rest.
+                    let owners: Vec<_> = (0..MAX_IDLE + 4).map(|_| ctx.owner()).collect();
+                    for o in &owners {
+                        o.stream().unwrap();
+                    }
+                    drop(owners);
+                    ctx.owner().stream().unwrap();
+                    let _ = ctx.trim();
+                }
+            });
+        }
+        let until = Instant::now() + Duration::from_secs(4);
+        let mut n = 0u64;
+        while Instant::now() < until && bad.is_none() {
+            for _ in 0..1000 {
+                n += 1;
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.live_streams()))
+                {
+                    Ok(v) if v < 1_000_000 => {}
+                    Ok(v) => {
+                        bad = Some(format!("sample {n}: live_streams() = {v}"));
+                        break;
+                    }
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_default();
+                        bad = Some(format!("sample {n}: live_streams() panicked: {msg}"));
+                        break;
+                    }
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert!(bad.is_none(), "{}", bad.unwrap());
+}
+
+// Pins soundness review (issue 12) defect 16: the idle cap was 33, one more than `MAX_IDLE`
+#[test]
+fn releases_keep_at_most_max_idle_streams_idle() {
+    let (_sim, ctx) = setup();
+    let owners: Vec<_> = (0..40).map(|_| ctx.owner()).collect();
+    for o in &owners {
+        o.stream().unwrap();
+    }
+    drop(owners);
+    let st = ctx.stats();
+    assert!(
+        st.idle <= MAX_IDLE as u64,
+        "{} idle streams kept, more than MAX_IDLE = {MAX_IDLE}",
+        st.idle
+    );
+}
+
+// Pins the second review's finding: a priority switch made a capturing stream wait on outside work (905 on the H200)
+/// `Owner::select` checks only that the *previously selected* stream is not capturing; its
+/// SAFETY claim "`next` could only capture while selected" is false: a `StreamRef` taken while
+/// that priority was selected stays valid after a switch, and can begin a capture on a stream that
+/// is not the selected one. Switching back then records an event on the selected stream and makes
+/// the capturing stream wait for it: a capture waiting on outside work, which the GPU answers with
+/// CUDA_ERROR_STREAM_CAPTURE_ISOLATION and an invalidated capture.
+#[test]
+fn set_priority_onto_a_capturing_stream_is_refused_without_a_wait_into_its_capture() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let s_normal = o.stream().unwrap();
+    o.set_priority(Priority::High).unwrap(); // s_normal stays valid (it borrows `o`)
+    let guard = s_normal.begin_capture().unwrap(); // capture on a stream that is not selected
+    let begin = sim.calls().len();
+    let r = o.set_priority(Priority::Normal); // prev = high (idle), next = s_normal (capturing)
+    let calls = sim.calls();
+    let bad = waits_into_capture(&calls, s_normal.raw(), begin);
+    let end = guard.end();
+    assert!(
+        bad.is_empty() && matches!(r, Err(Error::CaptureInProgress(_))),
+        "set_priority made the capturing stream wait for an event recorded outside its capture \
+         ({}); set_priority: {r:?}; end: {:?}",
+        fmt_calls(&bad),
+        end.map(|_| ())
+    );
+}
+
+// Pins the second review's finding: `with_priority`'s restore made a capturing stream wait on outside work (905 on the H200)
+/// The same through `with_priority`'s restore: the closure begins a capture on the stream of the
+/// priority that was selected before, and returns the guard; the restore orders that capturing
+/// stream after the closure's stream.
+#[test]
+fn with_priority_restore_makes_no_wait_into_a_capture_begun_in_the_closure() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let s_normal = o.stream().unwrap();
+    let begin = sim.calls().len();
+    let r = o.with_priority(Priority::High, || {
+        // Not selected now, but its reference is still valid.
+        let g = s_normal.begin_capture().unwrap();
+        (g, sim.calls().len())
+    });
+    let calls = sim.calls();
+    let (bad, end) = match r {
+        Ok((g, since)) => (
+            waits_into_capture(&calls, s_normal.raw(), since.max(begin)),
+            Some(g.end().map(|_| ())),
+        ),
+        Err(_) => (Vec::new(), None), // refused: the guard was dropped inside, the capture ended
+    };
+    assert!(
+        bad.is_empty(),
+        "with_priority's restore made the capturing stream wait for outside work ({}); end: {end:?}",
+        fmt_calls(&bad)
+    );
+}
+
+// Pins the second review's finding: `PriorityRange::resolve` (so `Context::owner()`) panicked on a reversed range
+/// "No public function panics on bad input": `PriorityRange` has public fields, and `resolve`
+/// uses `i32::clamp(greatest, least)`, which panics when `greatest > least`. `Context::build`
+/// takes the range from the driver unchecked, so a driver (or `SimConfig`) reporting the range
+/// the other way round makes `Context::owner()` panic too.
+#[test]
+fn priority_range_resolve_does_not_panic_on_a_reversed_range() {
+    let r = PriorityRange {
+        least: -5,
+        greatest: 0,
+    };
+    let out = std::panic::catch_unwind(|| r.resolve(Priority::Normal));
+    assert!(
+        out.is_ok(),
+        "PriorityRange::resolve(Normal) panicked on a reversed range"
     );
 }

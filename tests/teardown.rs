@@ -1,6 +1,7 @@
 //! The context's teardown where it cannot run in place: on the completion poller's thread (a
 //! waker the poller runs drops the last `Context`), and on a thread the poller's waker waits for.
 //! The teardown is handed to a thread where it can complete; it frees everything once it has.
+//! And a thread whose implicit owner holds the last `Context` tears it down at its exit.
 //!
 //! Waits are hang guards only ([`HANG`]): each scenario finishes in milliseconds.
 
@@ -227,4 +228,58 @@ fn one_failure_at_any_teardown_call_leaks_nothing() {
         );
         assert!(sim.misuse().is_empty(), "{call}: {:?}", sim.misuse());
     }
+}
+
+/// Marks the child process of the test below, which runs its scenario.
+const LAST_CONTEXT_CHILD: &str = "CSP_LAST_CONTEXT_IN_IMPLICIT_OWNER_CHILD";
+/// The child's waits for its thread (a hang guard).
+const CHILD_TIMEOUT: Duration = Duration::from_secs(5);
+
+// Pins soundness review (issue 12) defect 13: a thread exiting with the last `Context` in its implicit owner aborted
+#[test]
+fn a_thread_exiting_with_the_last_context_in_its_implicit_owner_does_not_abort() {
+    if std::env::var_os(LAST_CONTEXT_CHILD).is_some() {
+        // The scenario, in a child process: a thread whose implicit owner holds the last Context.
+        // The thread's first use of the crate is `ctx.stream()` (the context is made here), so
+        // its implicit owner is set up before the driver's own thread state, and torn down after.
+        let sim: Arc<dyn Driver> = Arc::new(SimDriver::new());
+        let ctx = Context::primary(sim, 0).unwrap();
+        let (dropped_tx, dropped_rx) = std::sync::mpsc::channel::<()>();
+        let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
+        let c2 = ctx.clone();
+        let t = std::thread::spawn(move || {
+            c2.stream().unwrap();
+            drop(c2); // the implicit owner keeps the context alive
+            got_tx.send(()).unwrap();
+            let _ = dropped_rx.recv_timeout(CHILD_TIMEOUT);
+        });
+        got_rx.recv_timeout(CHILD_TIMEOUT).unwrap();
+        drop(ctx); // now the thread's implicit owner holds the last Context
+        dropped_tx.send(()).unwrap();
+        t.join().expect("the thread exited with a panic");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_thread_exiting_with_the_last_context_in_its_implicit_owner_does_not_abort",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(LAST_CONTEXT_CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" | ");
+    assert!(
+        out.status.success(),
+        "a thread exiting with the last Context in its implicit owner killed the process \
+         ({}): {last}",
+        out.status
+    );
 }

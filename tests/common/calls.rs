@@ -1,8 +1,7 @@
-//! Helpers of the review tests (`soundness.rs`, `attacks.rs`): a simulated context, one behind the
-//! pausing driver, and call-log formatting and queries.
+//! Helpers of the tests that read the simulation's call log: a simulated context, and call-log
+//! formatting and queries. (A context behind the pausing driver: `pausing.rs`.)
 #![allow(dead_code)]
 
-use crate::pausing::PausingDriver;
 use cuda_stream_pool::driver::sim::Call;
 use cuda_stream_pool::driver::{SimDriver, Stream};
 use cuda_stream_pool::Context;
@@ -12,13 +11,6 @@ pub fn setup() -> (Arc<SimDriver>, Context) {
     let sim = Arc::new(SimDriver::new());
     let ctx = Context::primary(sim.clone(), 0).expect("primary context");
     (sim, ctx)
-}
-
-pub fn pausing() -> (Arc<PausingDriver>, Arc<SimDriver>, Context) {
-    let sim = Arc::new(SimDriver::new());
-    let pd = crate::pausing::new_driver(sim.clone());
-    let ctx = Context::primary(pd.clone(), 0).expect("primary context");
-    (pd, sim, ctx)
 }
 
 pub fn fmt_calls(calls: &[Call]) -> String {

@@ -98,6 +98,14 @@ impl ForeignCapture {
     }
 }
 
+/// Panics unless a capture (the caller's own, or another thread's) ended well: it survived
+/// whatever the test did while it was live.
+pub fn capture_survives<G>(r: cuda_stream_pool::Result<G>) {
+    if let Err(e) = r {
+        panic!("the capture must survive: {e}");
+    }
+}
+
 /// Holds a stream busy with a host function that waits until the gate is opened (or 30 s pass,
 /// so that a bug turns into a failure rather than a hang).
 pub struct Gate {

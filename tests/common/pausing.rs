@@ -35,6 +35,7 @@ mod hooked;
 pub use hooked::{Hook, Hooked};
 
 use cuda_stream_pool::driver::SimDriver;
+use cuda_stream_pool::Context;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::ThreadId;
 use std::time::Duration;
@@ -89,6 +90,15 @@ pub fn new_driver(inner: Arc<SimDriver>) -> Arc<PausingDriver> {
             cv: Condvar::new(),
         },
     })
+}
+
+/// A simulated context behind the pausing driver: the wrapper, the simulation (its call log,
+/// clock and faults), and the context.
+pub fn pausing() -> (Arc<PausingDriver>, Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let pd = new_driver(sim.clone());
+    let ctx = Context::primary(pd.clone(), 0).expect("primary context");
+    (pd, sim, ctx)
 }
 
 impl Pauser {
