@@ -304,6 +304,9 @@ pub(crate) struct CtxInner {
     _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
+    /// Set on a state that lingers because its teardown could not switch to relaxed mode: the
+    /// next reaping tries again.
+    retry_teardown: bool,
     /// Completion futures' flags, poller and staging memory, made on first use.
     hub: OnceLock<Arc<crate::hub::Hub>>,
     /// Modules loaded into the context ([`CtxInner::module`]), by the address of their image:
@@ -544,6 +547,7 @@ impl Context {
                 kept_host: RetryList::new(),
                 _keep_alive: keep_alive,
                 torn_down: false,
+                retry_teardown: false,
                 hub: OnceLock::new(),
                 modules: Mutex::new(Vec::new()),
             }),
@@ -1217,7 +1221,9 @@ impl CtxInner {
         // SAFETY: the stream is live: its holder is gone but nothing destroyed it.
         match unsafe { self.driver.stream_is_capturing(slot.raw) } {
             Ok(driver::CaptureStatus::None) => LoanEnd::Returned,
-            _ => LoanEnd::Stuck,
+            Ok(_) => LoanEnd::Stuck,
+            // Not known: kept and asked again by a later flush (a failed query is no capture).
+            Err(_) => LoanEnd::Out,
         }
     }
 
@@ -1463,6 +1469,7 @@ impl CtxInner {
             kept_host: self.kept_host.take_list(),
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
+            retry_teardown: false,
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
             modules: Mutex::new(std::mem::take(self.modules.get_mut())),
         };
@@ -1490,7 +1497,7 @@ pub(crate) fn reap_lingering() {
         let mut list = LINGERING.lock();
         let (ended, out): (Vec<_>, Vec<_>) = std::mem::take(&mut *list)
             .into_iter()
-            .partition(CtxInner::a_loan_ended);
+            .partition(CtxInner::may_end);
         *list = out;
         LINGERING_LEN.store(list.len(), Ordering::Release);
         ended
@@ -1500,9 +1507,10 @@ pub(crate) fn reap_lingering() {
 }
 
 impl CtxInner {
-    /// Whether a stream parked while lent has been returned by its borrower (no driver call).
-    fn a_loan_ended(&self) -> bool {
-        self.lent.any(|(_, slot)| slot.loan_ended())
+    /// Whether a lingering teardown should be tried again: a stream parked while lent has been
+    /// returned by its borrower (no driver call), or it lingers because a switch failed.
+    fn may_end(&self) -> bool {
+        self.retry_teardown || self.lent.any(|(_, slot)| slot.loan_ended())
     }
 }
 
@@ -1518,7 +1526,11 @@ impl Drop for CtxInner {
         // while the poller runs a waker, that waker may wait for this thread. Then the
         // teardown is handed to a thread of its own. Stopping the poller first means it runs no
         // user code once this thread may wait for it.
-        let here = !on_host_fn_thread() && self.hub.get().is_none_or(|h| h.stop());
+        // So is a thread that is exiting and has lost the device rules' thread-local state
+        // (a last clone in a thread-local destroyed after theirs): the rules could not switch.
+        let here = !on_host_fn_thread()
+            && driver::scopes_available()
+            && self.hub.get().is_none_or(|h| h.stop());
         if !here {
             let mut moved = self.take_state();
             crate::hostfn::on_thread_of_its_own(move || moved.teardown());
@@ -1543,8 +1555,14 @@ impl CtxInner {
         let rules = self.rules.clone();
         let scope = rules.hook.scope();
         // Without relaxed mode, waiting and querying could invalidate a capture: then the state
-        // is leaked instead (after a few tries: the switch fails only on a broken driver).
+        // lingers (after a few tries), torn down again by a later call of the crate.
         if (0..3).all(|_| scope.relax_now().is_err()) {
+            drop(scope);
+            let mut moved = self.take_state();
+            moved.retry_teardown = true;
+            let mut list = LINGERING.lock();
+            list.push(moved);
+            LINGERING_LEN.store(list.len(), Ordering::Release);
             return;
         }
         self.flush(true);

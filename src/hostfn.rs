@@ -10,6 +10,24 @@ use std::sync::Arc;
 
 pub(crate) use crate::driver::on_host_fn_thread;
 
+thread_local! {
+    static CRATE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as one of the crate's own background threads (the completion
+/// poller, the waker and loans threads, the threads that run teardowns and drops): no implicit
+/// owner is made there, as on a host function's thread (such a thread outlives every context,
+/// or never exits, so an owner made there would keep its context alive for ever).
+pub(crate) fn mark_crate_thread() {
+    let _ = CRATE_THREAD.try_with(|c| c.set(true));
+}
+
+/// Whether the calling thread is one of the crate's own background threads
+/// ([`mark_crate_thread`]).
+pub(crate) fn on_crate_thread() -> bool {
+    CRATE_THREAD.try_with(|c| c.get()).unwrap_or(false)
+}
+
 /// Wraps a host function so that the crate's destructors know they run in one (the closure's
 /// captures are dropped inside it).
 pub(crate) fn host_fn(f: impl FnOnce() + Send + 'static) -> driver::HostFn {
@@ -34,6 +52,7 @@ pub(crate) fn on_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
     let spawned = std::thread::Builder::new()
         .name("cuda-stream-pool-drop".into())
         .spawn(move || {
+            mark_crate_thread();
             // Taken out first: the work runs without the job's lock.
             let f = run.lock().take();
             if let Some(f) = f {
@@ -84,6 +103,7 @@ pub(crate) fn wake_task(w: std::task::Waker) {
         std::thread::Builder::new()
             .name("cuda-stream-pool-wake".into())
             .spawn(move || {
+                mark_crate_thread();
                 for w in rx {
                     w.run();
                 }
@@ -99,6 +119,7 @@ pub(crate) fn wake_task(w: std::task::Waker) {
         let spawned = std::thread::Builder::new()
             .name("cuda-stream-pool-wake".into())
             .spawn(move || {
+                mark_crate_thread();
                 // Taken out first: the waker runs without the cell's lock.
                 let w = c2.lock().take();
                 if let Some(w) = w {

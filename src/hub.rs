@@ -354,6 +354,7 @@ impl Hub {
     /// once it has seen `stop` the poller reads no flag again and returns.
     fn poll_loop(&self) -> Vec<Arc<Entry>> {
         let _ = IN_POLLER.try_with(|p| p.set(true));
+        crate::hostfn::mark_crate_thread();
         let mut mine: Vec<Arc<Entry>> = Vec::new();
         let mut last = Instant::now();
         let mut last_probe = Instant::now();

@@ -172,9 +172,10 @@ impl Owner {
     /// The driver's error when a stream has to be created and cannot be; at the cap on a
     /// host-function thread (which must not wait), [`Error::InvalidArgument`].
     pub fn stream(&self) -> Result<StreamRef<'_>> {
+        let p = self.inner.borrow().current;
+        self.hold(p)?;
         let mut inner = self.inner.borrow_mut();
-        let p = inner.current;
-        let h = self.held_or_acquire(&mut inner, p)?;
+        let h = self.held_settled(&mut inner, p)?;
         Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None))
     }
 
@@ -205,24 +206,48 @@ impl Owner {
         Ok(StreamRef::new(&self.ctx, &slot, gen, Some(keep)))
     }
 
-    fn held_or_acquire<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
-        let i = match inner.held.iter().position(|h| h.pool.priority == p) {
-            Some(i) => i,
-            None => {
-                let ci = &self.ctx.inner;
-                let pool = ci.pool(p, self.flags);
-                // Only the first stream waits at the cap: an owner that holds one never waits,
-                // so no waiting owner holds a stream and waits cannot form a cycle (see
-                // `ContextOptions`).
-                let mode = if inner.held.is_empty() {
-                    Mode::Wait
-                } else {
-                    Mode::Bypass
-                };
-                let (slot, gen) = ci.acquire(&pool, mode)?;
-                inner.held.push(Held { pool, slot, gen });
-                inner.held.len() - 1
+    /// Makes the owner hold a stream of priority `p`, acquiring one if it holds none. The
+    /// acquisition runs user code (wakers it wakes, the last handles of returned loans, lingering
+    /// teardowns), which may use this very owner (it may be the thread's implicit owner): the
+    /// owner's state is not borrowed meanwhile. A stream of `p` that such code took for the owner
+    /// in the meantime is kept, and the one acquired here given back.
+    fn hold(&self, p: i32) -> Result<()> {
+        let mode = {
+            let inner = self.inner.borrow();
+            if inner.find(p).is_some() {
+                return Ok(());
             }
+            // Only the first stream waits at the cap: an owner that holds one never waits, so
+            // no waiting owner holds a stream and waits cannot form a cycle (see
+            // `ContextOptions`).
+            if inner.held.is_empty() {
+                Mode::Wait
+            } else {
+                Mode::Bypass
+            }
+        };
+        let ci = &self.ctx.inner;
+        let pool = ci.pool(p, self.flags);
+        let (slot, gen) = ci.acquire(&pool, mode)?;
+        let mut inner = self.inner.borrow_mut();
+        if inner.find(p).is_some() {
+            drop(inner);
+            ci.release(&pool, slot);
+            return Ok(());
+        }
+        inner.held.push(Held { pool, slot, gen });
+        Ok(())
+    }
+
+    /// The owner's held stream of priority `p` ([`Owner::hold`] first), ordered after
+    /// `inner.after` if set.
+    fn held_settled<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
+        let Some(i) = inner.held.iter().position(|h| h.pool.priority == p) else {
+            // Not reached: an owner gives no stream back while it lives (`hold` just made it
+            // hold one); an error rather than a panic all the same.
+            return Err(Error::invalid(
+                "the owner's stream was given back while it was being acquired",
+            ));
         };
         if inner.after.is_some() {
             self.settle_after(inner, i)?;
@@ -248,7 +273,9 @@ impl Owner {
                     || unsafe { ci.capturing(&next) };
                 if capturing {
                     return Err(Error::CaptureInProgress(
-                        "the task's earlier stream (kept by a StreamRef that escaped a poll) or                          this one is capturing: the task's work cannot be ordered after its                          earlier work until that capture ends"
+                        "the task's earlier stream (kept by a StreamRef that escaped a poll) or this one \
+                         is capturing: the task's work cannot be ordered after its earlier work \
+                         until that capture ends"
                             .into(),
                     ));
                 }
@@ -324,6 +351,28 @@ impl Owner {
     }
 
     fn select(&self, value: i32) -> Result<()> {
+        if self.inner.borrow().current == value {
+            return Ok(());
+        }
+        // The new stream is acquired before the owner's state is borrowed (user code may run:
+        // see `hold`), and only once the current one is known not to be capturing (a refused
+        // switch takes nothing).
+        let current = {
+            let inner = self.inner.borrow();
+            inner
+                .find(inner.current)
+                .map(|h| (h.slot.clone(), inner.current))
+        };
+        if let Some((prev, from)) = current {
+            // SAFETY: held by this owner: live.
+            if unsafe { self.ctx.inner.capturing(&prev) } {
+                return Err(Error::CaptureInProgress(format!(
+                    "cannot change priority from {from} to {value} while the owner's stream is \
+                     capturing"
+                )));
+            }
+            self.hold(value)?;
+        }
         let mut inner = self.inner.borrow_mut();
         if inner.current == value {
             return Ok(());
@@ -337,7 +386,7 @@ impl Owner {
                     inner.current
                 )));
             }
-            let next = self.held_or_acquire(&mut inner, value)?.slot.clone();
+            let next = self.held_settled(&mut inner, value)?.slot.clone();
             // SAFETY: held by this owner: live.
             if unsafe { self.ctx.inner.capturing(&next) } {
                 // A reference taken while it was selected began a capture of it: waiting on
@@ -685,6 +734,15 @@ fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
         return Err(Error::invalid(
             "the thread's implicit owner cannot be used in a host function (the driver's \
              host-function thread never exits: it would keep the context alive forever)",
+        ));
+    }
+    if crate::hostfn::on_crate_thread() {
+        // The same for the crate's own background threads (a waker that the completion poller
+        // runs and that polls its task inline): they outlive the context or never exit.
+        return Err(Error::invalid(
+            "the thread's implicit owner cannot be used on the crate's background threads (the \
+             completion poller, waker, loans and teardown threads, which a waker polling its \
+             task inline runs on): use an explicit Owner, or Owner::attach for async tasks",
         ));
     }
     IMPLICIT

@@ -1427,6 +1427,7 @@ fn wake_after_poll(w: Waker) {
         std::thread::Builder::new()
             .name("cuda-stream-pool-loans".into())
             .spawn(move || {
+                crate::hostfn::mark_crate_thread();
                 while let Ok(first) = rx.recv() {
                     std::thread::sleep(LOAN_POLL);
                     for w in std::iter::once(first).chain(rx.try_iter()) {

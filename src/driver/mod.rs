@@ -12,7 +12,7 @@ mod host_thread;
 mod rules;
 pub use hooked::{Hook, Hooked};
 pub(crate) use host_thread::{as_host_fn_thread, on_host_fn_thread};
-pub(crate) use rules::{outside_scopes, DeviceRules, Scope};
+pub(crate) use rules::{outside_scopes, scopes_available, DeviceRules, Scope};
 pub mod sim;
 
 pub use cuda::CudaDriver;

@@ -287,6 +287,12 @@ impl DeviceRules {
     }
 }
 
+/// Whether the calling thread can open scopes: false on a thread that is exiting and whose
+/// thread-local state of the rules is already destroyed (a scope there cannot switch).
+pub(crate) fn scopes_available() -> bool {
+    FRAMES.try_with(|_| ()).is_ok()
+}
+
 /// Runs `f` (user code: a waker) with the thread's current context and capture mode as the
 /// crate's caller left them: the open scopes' switches are undone first and made again, lazily,
 /// by the next call after `f`. User code never runs in a scope's state (a user's own mode guard
