@@ -307,6 +307,10 @@ pub(crate) struct CtxInner {
     /// Set on a state that lingers because its teardown could not switch to relaxed mode: the
     /// next reaping tries again.
     retry_teardown: bool,
+    /// When the state was made, and when (nanoseconds after that) the driver was last asked
+    /// about a fault ([`CtxInner::fault_now_and_then`]).
+    born: std::time::Instant,
+    last_probe: AtomicU64,
     /// Completion futures' flags, poller and staging memory, made on first use.
     hub: OnceLock<Arc<crate::hub::Hub>>,
     /// Modules loaded into the context ([`CtxInner::module`]), by the address of their image:
@@ -548,6 +552,8 @@ impl Context {
                 _keep_alive: keep_alive,
                 torn_down: false,
                 retry_teardown: false,
+                born: std::time::Instant::now(),
+                last_probe: AtomicU64::new(0),
                 hub: OnceLock::new(),
                 modules: Mutex::new(Vec::new()),
             }),
@@ -1103,12 +1109,35 @@ impl CtxInner {
         } else {
             mode
         };
+        if let Some(e) = self.fault(false) {
+            // A dead context hands out nothing (its streams' work never completes).
+            return Err(e);
+        }
         if pool.lent_out() > 0 && mode != Mode::Fail {
             // Parked loans that ended come back first (they count against the cap).
             self.flush_deferred();
         }
         let _scope = self.scope();
-        pool.acquire(&*self.driver, &|| self.reclaim_loans(), mode)
+        pool.acquire(
+            &*self.driver,
+            &|| self.reclaim_loans(),
+            &|| self.fault_now_and_then(),
+            mode,
+        )
+    }
+
+    /// [`CtxInner::fault`], asking the driver at most every few milliseconds (a waiter at a cap
+    /// asks each time it wakes).
+    pub(crate) fn fault_now_and_then(&self) -> Option<Error> {
+        const EVERY_NS: u64 = 5_000_000;
+        let now = self.born.elapsed().as_nanos() as u64;
+        let last = self.last_probe.load(Ordering::Relaxed);
+        let due = now.saturating_sub(last) >= EVERY_NS
+            && self
+                .last_probe
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+        self.fault(due)
     }
 
     /// Brings back the parked streams whose loan ended (with the rest of a flush): what a
@@ -1470,6 +1499,8 @@ impl CtxInner {
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
             retry_teardown: false,
+            born: self.born,
+            last_probe: AtomicU64::new(0),
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
             modules: Mutex::new(std::mem::take(self.modules.get_mut())),
         };

@@ -581,7 +581,8 @@ impl Future for OwnerReady {
         }
         let reclaim = || ci.reclaim_loans();
         let scope = ci.scope();
-        let polled = pool.poll_acquire(&*ci.driver, &reclaim, &mut this.ticket, cx);
+        let fault = || ci.fault_now_and_then();
+        let polled = pool.poll_acquire(&*ci.driver, &reclaim, &fault, &mut this.ticket, cx);
         drop(scope);
         match polled {
             Poll::Pending => Poll::Pending,

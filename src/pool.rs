@@ -52,6 +52,13 @@ pub(crate) type Loan = Arc<dyn Any + Send + Sync>;
 /// the waiter's key is out.
 const LOAN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// How often the first waiter at a cap, once it waits for busy retired streams' GPU work (the
+/// wake-up host functions it armed), asks whether the context died: a faulted context never runs
+/// them (docs/gpu.md), and every waiter behind it would wait for ever. Only the first waiter
+/// asks; one that finds the fault leaves the queue with the error and passes its turn on, and
+/// the next one's attempt meets the error in its own driver calls.
+const FAULT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
 /// never by its handle value (handles are reused after destroy).
 #[derive(Debug)]
@@ -676,6 +683,7 @@ impl Gate {
             gate: self.clone(),
             id,
             served: false,
+            armed: false,
         }
     }
 
@@ -817,6 +825,9 @@ pub(crate) struct Ticket {
     gate: Arc<Gate>,
     id: u64,
     served: bool,
+    /// Set once this waiter armed wake-ups on busy retired streams: it then waits for GPU work,
+    /// which a faulted context never finishes (see [`FAULT_POLL`]).
+    armed: bool,
 }
 
 impl Ticket {
@@ -907,6 +918,7 @@ impl Pool {
         &self,
         driver: &dyn Driver,
         reclaim: &dyn Fn(),
+        fault: &dyn Fn() -> Option<crate::Error>,
         mode: Mode,
     ) -> Result<(Arc<Slot>, u64)> {
         let g = &self.gate;
@@ -922,7 +934,7 @@ impl Pool {
                 )));
             }
         }
-        let ticket = g.join(Wake::Thread(std::thread::current()));
+        let mut ticket = g.join(Wake::Thread(std::thread::current()));
         let me = std::thread::current().id();
         loop {
             if let Some(found) = g.take_handed(ticket.id) {
@@ -936,11 +948,18 @@ impl Pool {
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
+                if ticket.armed {
+                    if let Some(e) = fault() {
+                        return Err(e);
+                    }
+                }
                 if self.lent_out() > 0 {
                     // A loan ending tells nobody: look for it now and then. (A stream it brings
                     // back may be handed to this waiter, which unparks it.)
                     reclaim();
                     crate::sync::park_timeout(LOAN_POLL);
+                } else if ticket.armed {
+                    crate::sync::park_polling(FAULT_POLL);
                 } else {
                     crate::sync::park();
                 }
@@ -950,7 +969,8 @@ impl Pool {
                 ticket.served();
                 return Ok(found);
             }
-            self.arm(driver)?;
+            // Waiting for GPU work from now on if a wake-up is armed on a busy stream.
+            ticket.armed |= self.arm(driver)?;
         }
     }
 
@@ -961,6 +981,7 @@ impl Pool {
         &self,
         driver: &dyn Driver,
         reclaim: &dyn Fn(),
+        fault: &dyn Fn() -> Option<crate::Error>,
         ticket: &mut Option<Ticket>,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Result<(Arc<Slot>, u64)>> {
@@ -994,16 +1015,32 @@ impl Pool {
                 &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
             );
             if !turn {
+                let armed = ticket.as_ref().is_some_and(|t| t.armed);
+                if armed {
+                    // As in `acquire`: a dead context never runs the armed wake-ups.
+                    if let Some(e) = fault() {
+                        *ticket = None;
+                        return Poll::Ready(Err(e));
+                    }
+                }
                 if self.lent_out() > 0 {
                     // As in `acquire`: look for ended loans now, and again after LOAN_POLL.
                     reclaim();
-                    wake_after_poll(cx.waker().clone());
+                    wake_after_poll(cx.waker().clone(), true);
+                } else if armed {
+                    // Polled again after a while to ask once more (no driver call until then).
+                    wake_after_poll(cx.waker().clone(), false);
                 }
                 return Poll::Pending;
             }
             let r = self.attempt(driver, false).and_then(|found| match found {
                 Some(found) => Ok(Some(found)),
-                None => self.arm(driver).map(|_| None),
+                None => self.arm(driver).map(|armed| {
+                    if let Some(t) = ticket.as_mut() {
+                        t.armed |= armed;
+                    }
+                    None
+                }),
             });
             match r {
                 Ok(None) => continue,
@@ -1065,25 +1102,36 @@ impl Pool {
     /// however many wait; none on a stream a leaked capture guard captures, which never comes
     /// back). The host function calls no driver function.
     ///
+    /// Returns whether a wake-up is armed on some busy stream (the waiter then waits for GPU
+    /// work).
+    ///
     /// # Errors
     /// The driver's error when a host function cannot be enqueued (the waiter would otherwise
     /// never learn that the stream completed).
-    fn arm(&self, driver: &dyn Driver) -> Result<()> {
+    fn arm(&self, driver: &dyn Driver) -> Result<bool> {
         if self.retired.load(Ordering::Acquire) == 0 {
-            return Ok(());
+            return Ok(false);
         }
+        let mut armed_any = false;
         for i in 0..self.shards.len() {
             let list = self.shard(i);
             for slot in list.iter() {
                 let st = slot.lock();
-                if st.capturing
-                    || st.destroyed
-                    || slot
-                        .armed
-                        .compare_exchange(UNARMED, ARMED, Ordering::AcqRel, Ordering::Acquire)
-                        .is_err()
-                {
+                if st.capturing || st.destroyed {
                     continue;
+                }
+                match slot.armed.compare_exchange(
+                    UNARMED,
+                    ARMED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => armed_any = true,
+                    Err(ARMED) => {
+                        armed_any = true;
+                        continue;
+                    }
+                    Err(_) => continue,
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
                 let f = crate::hostfn::host_fn(move || {
@@ -1099,7 +1147,7 @@ impl Pool {
                 }
             }
         }
-        Ok(())
+        Ok(armed_any)
     }
 
     /// Creates streams until `n` of this key are alive, keeps them retired (idle), and keeps up
@@ -1401,12 +1449,18 @@ impl Pool {
 
 /// Wakes `w` after [`LOAN_POLL`], from one thread of the process ("cuda-stream-pool-loans",
 /// started on first need, blocked while nobody waits): how an async waiter at a cap looks for
-/// loans that ended. If no thread can be started, `w` is woken at once.
-fn wake_after_poll(w: Waker) {
+/// loans that ended, or (`counted: false`) whether its context died. If no thread can be
+/// started, `w` is woken at once.
+///
+/// With `counted`, the wake-up is counted for the model while pending (see
+/// `sync::background_queued`): it may be the one that serves the waiter. A fault poll's is not:
+/// it can only find a fault, which the model does not make, and counting it would keep the
+/// model from ever seeing the crate quiet.
+fn wake_after_poll(w: Waker, counted: bool) {
     use std::sync::mpsc;
-    /// A waker handed to the loans thread: counted for the model while pending (see
-    /// `sync::background_queued`), counted as run when woken or dropped.
-    struct Bg(Option<Waker>);
+    /// A waker handed to the loans thread, counted as run when woken or dropped if it was
+    /// counted when queued.
+    struct Bg(Option<Waker>, bool);
     impl Bg {
         fn wake(mut self) {
             if let Some(w) = self.0.take() {
@@ -1416,12 +1470,16 @@ fn wake_after_poll(w: Waker) {
     }
     impl Drop for Bg {
         fn drop(&mut self) {
-            crate::sync::background_ran();
+            if self.1 {
+                crate::sync::background_ran();
+            }
         }
     }
     static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Bg>>> = std::sync::OnceLock::new();
-    crate::sync::background_queued();
-    let w = Bg(Some(w));
+    if counted {
+        crate::sync::background_queued();
+    }
+    let w = Bg(Some(w), counted);
     let tx = POLLER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Bg>();
         std::thread::Builder::new()

@@ -148,6 +148,20 @@ pub(crate) fn park() {
     std::thread::park();
 }
 
+/// [`park`], but returning after `dur` at the latest: for a thread that waits to be unparked and
+/// also looks now and then at something that tells nobody (whether its context died). To a test
+/// scheduler it is parked as with [`park`] (only an unpark is a reason for it to go on).
+pub(crate) fn park_polling(dur: std::time::Duration) {
+    #[cfg(feature = "model-hooks")]
+    if hook::scheduled() {
+        hook::yield_now("park");
+        return;
+    }
+    #[cfg(feature = "model-hooks")]
+    let _parked = hook::Parked::new();
+    std::thread::park_timeout(dur);
+}
+
 /// Unparks `t` (see [`park`]).
 pub(crate) fn unpark(t: &std::thread::Thread) {
     #[cfg(feature = "model-hooks")]

@@ -153,3 +153,64 @@ fn a_dead_contexts_teardown_returns() {
         assert!(healthy.health().is_ok());
     });
 }
+
+/// A context with a cap of one stream per key whose only stream was given back busy (its work
+/// never ends before the fault): the next acquisition waits at the cap for that work.
+fn at_the_cap_behind_busy_work() -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    sim.enqueue_work(s.raw(), 1_000_000_000).unwrap();
+    drop(s);
+    drop(o);
+    (sim, ctx)
+}
+
+// Regression: issue 23 (waiters at the cap waited for the wake-up host functions they armed on
+// busy streams, which a faulted context never runs)
+/// Three threads blocked at the cap behind busy work are released with the sticky error when
+/// the context dies; none hangs.
+#[test]
+fn blocked_waiters_at_the_cap_get_the_sticky_error() {
+    no_hang("blocked waiters", || {
+        let (sim, ctx) = at_the_cap_behind_busy_work();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let ctx = ctx.clone();
+                std::thread::spawn(move || ctx.owner().stream().map(|_| ()))
+            })
+            .collect();
+        // Each waiter is queued (or about to be) before the fault: the cap's queue says so.
+        while ctx.stats().waits < 3 {
+            std::thread::yield_now();
+        }
+        sim.kill_context(ctx.raw(), FAULT);
+        for w in waiters {
+            let e = w.join().unwrap().unwrap_err();
+            assert_eq!(e.code(), Some(FAULT), "{e}");
+        }
+    });
+}
+
+/// The same for an async waiter (`Owner::ready`): it resolves with the error.
+#[test]
+fn an_async_waiter_at_the_cap_gets_the_sticky_error() {
+    no_hang("async waiter", || {
+        let (sim, ctx) = at_the_cap_behind_busy_work();
+        let waiter = {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || block_on(ctx.owner().ready()).map(|_| ()))
+        };
+        while ctx.stats().waits < 1 {
+            std::thread::yield_now();
+        }
+        sim.kill_context(ctx.raw(), FAULT);
+        let e = waiter.join().unwrap().unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+        // Later acquisitions fail at once.
+        let e = ctx.owner().stream().map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+    });
+}
