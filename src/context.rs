@@ -7,7 +7,7 @@ use crate::driver::{
     self, stream_flags, Device, DevicePtr, Driver, Event, MemPool, MemPoolAttr, Stream,
 };
 use crate::error::{Error, Result};
-use crate::pool::{destroy_idle, Mode, Pool, PoolStats, Slot};
+use crate::pool::{destroy_idle, Loan, Mode, Pool, PoolStats, Slot};
 use crate::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -307,6 +307,8 @@ pub(crate) struct CtxInner {
     /// Set on a state that lingers because its teardown could not switch to relaxed mode: the
     /// next reaping tries again.
     retry_teardown: bool,
+    /// Whether the context is dead (see [`Health`]).
+    health: Arc<Health>,
     /// When the state was made, and when (nanoseconds after that) the driver was last asked
     /// about a fault ([`CtxInner::fault_now_and_then`]).
     born: std::time::Instant,
@@ -526,6 +528,13 @@ impl Context {
             }
         };
         drop(scope);
+        let disposal = Arc::new(Slot::new(disposal, 0, stream_flags::NON_BLOCKING));
+        let health = Arc::new(Health {
+            rules: rules.clone(),
+            disposal: disposal.clone(),
+            fault: OnceLock::new(),
+            checked: AtomicU64::new(rules.hook.sticky_seen()),
+        });
         Ok(Context {
             inner: Arc::new(CtxInner {
                 id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
@@ -540,7 +549,7 @@ impl Context {
                     .map(|_| OnceLock::new())
                     .collect(),
                 other_pools: RwLock::new(Vec::new()),
-                disposal: Arc::new(Slot::new(disposal, 0, stream_flags::NON_BLOCKING)),
+                disposal,
                 mem_pool,
                 own_pool,
                 events: Mutex::new(Vec::new()),
@@ -552,6 +561,7 @@ impl Context {
                 _keep_alive: keep_alive,
                 torn_down: false,
                 retry_teardown: false,
+                health,
                 born: std::time::Instant::now(),
                 last_probe: AtomicU64::new(0),
                 hub: OnceLock::new(),
@@ -994,15 +1004,14 @@ impl CtxInner {
                 device: self.device,
                 maybe_primary: self.primary || self._keep_alive.is_some(),
             };
-            let (rules, disposal) = (self.rules.clone(), self.disposal.clone());
-            let health: crate::hub::Health = Box::new(move |probe| fault(&rules, &disposal, probe));
-            crate::hub::Hub::new(home, health)
+            let health = self.health.clone();
+            crate::hub::Hub::new(home, Box::new(move |probe| health.fault(probe)))
         })
     }
 
     /// The context's sticky error, if any (see [`Context::health`]).
     pub(crate) fn fault(&self, probe: bool) -> Option<Error> {
-        fault(&self.rules, &self.disposal, probe)
+        self.health.fault(probe)
     }
 
     /// Opens a scope of the device rules (driver/rules.rs) for an operation that makes several
@@ -1159,8 +1168,15 @@ impl CtxInner {
     fn release_slot(&self, pool: &Arc<Pool>, slot: Arc<Slot>, parked: bool) {
         let flush = !parked;
         let driver_ok = !on_host_fn_thread();
+        // The loan's last handle is dropped at the end, outside the device rules' scopes: it may
+        // hold another crate's value (a cudarc stream) whose drop is user code, which may want
+        // this very stream back (at a cap), so it goes after the stream is back in the pool.
+        let mut handle = None;
+        let _drop_last = DropOutsideScopes(&mut handle);
         if slot.is_lent() {
-            match self.end_loan(&slot, driver_ok) {
+            let (end, h) = self.end_loan(&slot, driver_ok);
+            *_drop_last.0 = h;
+            match end {
                 LoanEnd::Returned => {}
                 LoanEnd::Out => {
                     if !parked {
@@ -1242,18 +1258,30 @@ impl CtxInner {
     /// Ends the loan of a stream whose holder is gone, if the other crate holds none of its
     /// handles any more. A stream left capturing by the other crate is never used again (nor
     /// destroyed: ending or destroying it could invalidate streams joined to that capture).
-    fn end_loan(&self, slot: &Slot, driver_ok: bool) -> LoanEnd {
-        if !driver_ok || !slot.loan_returned() {
+    fn end_loan(&self, slot: &Slot, driver_ok: bool) -> (LoanEnd, Option<Loan>) {
+        if !driver_ok {
             // (On a host-function thread the capture check below is not possible: kept.)
-            return LoanEnd::Out;
+            return (LoanEnd::Out, None);
+        }
+        let Some(handle) = slot.loan_returned() else {
+            return (LoanEnd::Out, None);
+        };
+        if self.fault(false).is_some() {
+            // A dead context's stream is never used again (no query can tell its capture).
+            return (LoanEnd::Stuck, handle);
         }
         // SAFETY: the stream is live: its holder is gone but nothing destroyed it.
-        match unsafe { self.driver.stream_is_capturing(slot.raw) } {
-            Ok(driver::CaptureStatus::None) => LoanEnd::Returned,
+        let end = match unsafe { self.driver.stream_is_capturing(slot.raw) } {
+            Ok(driver::CaptureStatus::None) => {
+                slot.loan_settled();
+                LoanEnd::Returned
+            }
             Ok(_) => LoanEnd::Stuck,
-            // Not known: kept and asked again by a later flush (a failed query is no capture).
+            // Not known: still taken for lent (maybe capturing), kept and asked again by a
+            // later flush.
             Err(_) => LoanEnd::Out,
-        }
+        };
+        (end, handle)
     }
 
     /// Keeps host memory that a copy enqueued on generation `gen` of `slot` may still access
@@ -1390,8 +1418,12 @@ impl CtxInner {
     /// Destroys a dropped `OwnedStream`'s stream once its work has completed, or keeps it for
     /// a later flush (never destroyed under its work).
     pub(crate) fn destroy_or_keep(&self, slot: Arc<Slot>, wait: bool) {
+        let mut handle = None;
+        let _drop_last = DropOutsideScopes(&mut handle);
         if slot.is_lent() {
-            match self.end_loan(&slot, !on_host_fn_thread()) {
+            let (end, h) = self.end_loan(&slot, !on_host_fn_thread());
+            *_drop_last.0 = h;
+            match end {
                 LoanEnd::Returned => {}
                 LoanEnd::Out => return self.park(None, slot),
                 LoanEnd::Stuck => return,
@@ -1449,23 +1481,115 @@ impl CtxInner {
     }
 }
 
-/// The sticky error that the device rules recorded for the context, if any; with `probe`, after
-/// a cheap call that would reveal one (a query of the disposal stream, which is never captured;
-/// relaxed by the rules).
-fn fault(
-    rules: &driver::Hooked<driver::DeviceRules>,
-    disposal: &Slot,
-    probe: bool,
-) -> Option<Error> {
-    if probe && rules.hook.fault().is_none() {
-        let st = disposal.lock();
-        if !st.destroyed {
-            // SAFETY: the disposal stream is live (not destroyed, under its lock) and never
-            // captured. Its result matters only as the device rules record a sticky error.
-            let _ = unsafe { rules.probe_sticky(disposal.raw) };
+/// Drops a loan's last handle when it goes (after everything else of the function that holds
+/// it), outside the device rules' scopes (user code); or, while an owner acquires on this thread
+/// ([`DeferLoanDrops`]), when that acquisition is over.
+struct DropOutsideScopes<'a>(&'a mut Option<Loan>);
+
+impl Drop for DropOutsideScopes<'_> {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let h = DEFERRED_LOAN_DROPS
+                .try_with(|d| match d.borrow_mut().as_mut() {
+                    Some(list) => {
+                        list.push(h);
+                        None
+                    }
+                    None => Some(h),
+                })
+                .unwrap_or(None);
+            if let Some(h) = h {
+                driver::outside_scopes(|| drop(h));
+            }
         }
     }
-    rules.hook.fault()
+}
+
+thread_local! {
+    /// The loan handles whose drops wait for the end of this thread's acquisition.
+    static DEFERRED_LOAN_DROPS: std::cell::RefCell<Option<Vec<Loan>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// While it lives (an owner's acquisition), the last handles of loans that the acquisition finds
+/// returned are kept, and dropped when it ends: a handle's drop is user code, which may use the
+/// same owner (the thread's implicit one) and would wait at a cap for the very stream the
+/// acquisition is taking. Nested guards are one.
+pub(crate) struct DeferLoanDrops(bool);
+
+impl DeferLoanDrops {
+    pub(crate) fn begin() -> DeferLoanDrops {
+        let outer = DEFERRED_LOAN_DROPS
+            .try_with(|d| {
+                let mut d = d.borrow_mut();
+                if d.is_none() {
+                    *d = Some(Vec::new());
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+        DeferLoanDrops(outer)
+    }
+}
+
+impl Drop for DeferLoanDrops {
+    fn drop(&mut self) {
+        if !self.0 {
+            return;
+        }
+        let list = DEFERRED_LOAN_DROPS
+            .try_with(|d| d.borrow_mut().take())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if !list.is_empty() {
+            driver::outside_scopes(|| drop(list));
+        }
+    }
+}
+
+/// Whether the context is dead ([`Context::health`]): a sticky error of one of its own calls,
+/// confirmed. The device rules count every sticky error a call through them returned; such a
+/// call may have named another context (another device's dead one), so the context takes
+/// itself for dead only when a call of its own returns one too: a query of its disposal
+/// stream (never captured; relaxed by the rules), made when the rules saw a new sticky error or
+/// when asked to probe.
+struct Health {
+    rules: Arc<driver::Hooked<driver::DeviceRules>>,
+    disposal: Arc<Slot>,
+    /// The confirmed sticky error.
+    fault: OnceLock<Error>,
+    /// The rules' count of sticky errors when it was last confirmed or not.
+    checked: AtomicU64,
+}
+
+impl Health {
+    fn fault(&self, probe: bool) -> Option<Error> {
+        if let Some(e) = self.fault.get() {
+            return Some(e.clone());
+        }
+        let seen = self.rules.hook.sticky_seen();
+        if !probe && seen == self.checked.load(Ordering::Acquire) {
+            return None;
+        }
+        {
+            let st = self.disposal.lock();
+            if !st.destroyed {
+                // SAFETY: the disposal stream is live (not destroyed, under its lock) and never
+                // captured.
+                if let Err(e) = unsafe { self.rules.probe_sticky(self.disposal.raw) } {
+                    if e.is_sticky() {
+                        let _ = self.fault.set(e);
+                    }
+                }
+            }
+        }
+        self.checked
+            .store(self.rules.hook.sticky_seen(), Ordering::Release);
+        self.fault.get().cloned()
+    }
 }
 
 impl CtxInner {
@@ -1499,6 +1623,7 @@ impl CtxInner {
             _keep_alive: self._keep_alive.take(),
             torn_down: false,
             retry_teardown: false,
+            health: self.health.clone(),
             born: self.born,
             last_probe: AtomicU64::new(0),
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),

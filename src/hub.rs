@@ -114,6 +114,11 @@ impl Entry {
         mem: Box<dyn Any + Send>,
     ) -> Option<Box<dyn Any + Send>> {
         let mut st = lock(&self.state);
+        if st.done && st.error.is_some() {
+            // Given up (see `finish`): kept for ever.
+            std::mem::forget(mem);
+            return None;
+        }
         if st.done || self.landed() {
             return Some(mem);
         }
@@ -124,13 +129,20 @@ impl Entry {
     /// Marks the entry done (given up with `error`, if any) and wakes its waker; the kept
     /// memory is dropped after the lock.
     fn finish(&self, error: Option<Error>) {
+        let given_up = error.is_some();
         let (waker, keep) = {
             let mut st = lock(&self.state);
             st.done = true;
             st.error = error;
             (st.waker.take(), st.keep.take())
         };
-        drop(keep);
+        if given_up {
+            // Nothing is known of the write, nor of a copy into what the entry keeps: never
+            // reused, never freed (a leak).
+            std::mem::forget(keep);
+        } else {
+            drop(keep);
+        }
         if let Some(w) = waker {
             // A panicking waker is contained: it must not stop the poller (whose entries keep
             // memory that copies still write).
@@ -192,6 +204,9 @@ pub(crate) struct Hub {
     passes: AtomicU64,
     /// The context's health (see [`Health`]).
     health: Health,
+    /// Set once entries were given up for a fault: the hub's memory is then never freed nor
+    /// shelved for reuse (nothing is known of the copies into it).
+    faulted: AtomicBool,
 }
 
 /// The context's sticky error, if a call returned one (`false`: a read of what the device rules
@@ -232,6 +247,7 @@ impl Hub {
             completed: AtomicU64::new(0),
             passes: AtomicU64::new(0),
             health,
+            faulted: AtomicBool::new(false),
         })
     }
 
@@ -426,6 +442,7 @@ impl Hub {
                     st.running = true;
                 }
                 // Their slots are not reused: nothing is known of the writes.
+                self.faulted.store(true, Ordering::Release);
                 let given_up = std::mem::take(&mut mine);
                 for e in &given_up {
                     e.finish(Some(error.clone()));
@@ -573,7 +590,7 @@ impl Hub {
                 std::mem::forget(lock(&e.state).keep.take());
             }
         }
-        if leak {
+        if leak || self.faulted.load(Ordering::Acquire) {
             return;
         }
         let blocks: Vec<Block> = {

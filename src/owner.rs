@@ -172,11 +172,17 @@ impl Owner {
     /// The driver's error when a stream has to be created and cannot be; at the cap on a
     /// host-function thread (which must not wait), [`Error::InvalidArgument`].
     pub fn stream(&self) -> Result<StreamRef<'_>> {
-        let p = self.inner.borrow().current;
-        self.hold(p)?;
-        let mut inner = self.inner.borrow_mut();
-        let h = self.held_settled(&mut inner, p)?;
-        Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None))
+        loop {
+            let p = self.inner.borrow().current;
+            self.hold(p)?;
+            let mut inner = self.inner.borrow_mut();
+            if inner.current != p {
+                // User code run by the acquisition selected another priority: that one's.
+                continue;
+            }
+            let h = self.held_settled(&mut inner, p)?;
+            return Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None));
+        }
     }
 
     /// The stream of a shared owner, as a reference that keeps the owner alive (like
@@ -228,6 +234,8 @@ impl Owner {
         };
         let ci = &self.ctx.inner;
         let pool = ci.pool(p, self.flags);
+        // Declared first, dropped last: after the stream is the owner's.
+        let _defer = crate::context::DeferLoanDrops::begin();
         let (slot, gen) = ci.acquire(&pool, mode)?;
         let mut inner = self.inner.borrow_mut();
         if inner.find(p).is_some() {

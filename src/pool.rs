@@ -264,25 +264,27 @@ impl Slot {
     }
 
     /// Whether nobody but this slot holds the lent handle any more (or none was lent). Then the
-    /// slot drops its own clone (after its lock is released) and the stream is the crate's
-    /// alone again. `Arc::get_mut` succeeds only without other strong or weak references, and
-    /// nobody can make one from nothing, so the answer cannot become stale.
-    pub(crate) fn loan_returned(&self) -> bool {
-        let taken = {
-            let mut l = self.loan.lock();
-            match l.as_mut().map(|a| Arc::get_mut(a).is_some()) {
-                None => return true,
-                Some(false) => return false,
-                Some(true) => {
-                    self.lent.store(false, Ordering::Release);
-                    l.take()
-                }
-            }
-        };
-        // The loan's last handle may hold another crate's value (a cudarc stream): its drop is
-        // user code, run outside the device rules' scopes.
-        crate::driver::outside_scopes(|| drop(taken));
-        true
+    /// slot drops its own clone (after its lock is released). `Arc::get_mut` succeeds only
+    /// without other strong or weak references, and nobody can make one from nothing, so the
+    /// answer cannot become stale. The stream stays marked lent ([`Slot::is_lent`]) until
+    /// [`Slot::loan_settled`]: the borrower may have left it capturing, which only a query that
+    /// succeeds can rule out.
+    ///
+    /// Returns the slot's last clone of the handle (`Some(None)` when there was none), for the
+    /// caller to drop once the stream is back where it goes (the drop is user code, which may
+    /// want that very stream); `None` while the loan is out.
+    pub(crate) fn loan_returned(&self) -> Option<Option<Loan>> {
+        let mut l = self.loan.lock();
+        match l.as_mut().map(|a| Arc::get_mut(a).is_some()) {
+            None => Some(None),
+            Some(false) => None,
+            Some(true) => Some(l.take()),
+        }
+    }
+
+    /// The loan has ended and its stream was found not capturing: the crate's alone again.
+    pub(crate) fn loan_settled(&self) {
+        self.lent.store(false, Ordering::Release);
     }
 
     pub(crate) fn lock(&self) -> SlotGuard<'_> {

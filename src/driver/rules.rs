@@ -131,8 +131,8 @@ pub(crate) struct DeviceRules {
     /// The context made current for calls; 0 while none is known yet (before the retain) and
     /// after the context's teardown released it.
     ctx: AtomicU64,
-    /// The first sticky error a call of the context returned ([`DeviceRules::fault`]).
-    fault: std::sync::OnceLock<Error>,
+    /// How many calls through these rules returned a sticky error ([`DeviceRules::sticky_seen`]).
+    sticky: AtomicU64,
 }
 
 impl std::fmt::Debug for DeviceRules {
@@ -148,15 +148,17 @@ impl DeviceRules {
         DeviceRules {
             raw,
             ctx: AtomicU64::new(0),
-            fault: std::sync::OnceLock::new(),
+            sticky: AtomicU64::new(0),
         }
     }
 
-    /// The first sticky error ([`ErrorCode::is_sticky`]: a kernel faulted the context) that any
-    /// call of the context returned, if any: the context is dead from then on. Every call goes
-    /// through these rules, so none can miss it.
-    pub(crate) fn fault(&self) -> Option<Error> {
-        self.fault.get().cloned()
+    /// How many calls through these rules returned a sticky error ([`ErrorCode::is_sticky`]: a
+    /// kernel faulted a context). Every call goes through the rules, so none is missed; but a
+    /// call may name another context than the rules' own (another device's, through a raw
+    /// handle or a device-level call), so the context confirms with a call of its own before
+    /// it takes itself for dead (`context.rs`, `Health`).
+    pub(crate) fn sticky_seen(&self) -> u64 {
+        self.sticky.load(Ordering::Acquire)
     }
 
     /// Sets the context that calls are made in (null: none, calls leave the current context as
@@ -380,7 +382,7 @@ unsafe impl super::Hook for DeviceRules {
         let r = self.call_in_rules(call, f);
         if let Err(e) = &r {
             if e.is_sticky() {
-                let _ = self.fault.set(e.clone());
+                self.sticky.fetch_add(1, Ordering::AcqRel);
             }
         }
         r
