@@ -214,3 +214,123 @@ fn an_async_waiter_at_the_cap_gets_the_sticky_error() {
         assert_eq!(e.code(), Some(FAULT), "{e}");
     });
 }
+
+/// Futures pending on two streams held busy by GPU-side waits (their work never ends before the
+/// fault), a completion behind the faulting kernel, and three waiters at the cap (two threads
+/// blocked in `Owner::stream`, one `Owner::ready` task) behind those busy streams: when `fault`
+/// kills the context (a faulting kernel on the GPU, `kill_context` on the simulation), every one
+/// resolves with the sticky error, nothing hangs, and the context's teardown returns. A new
+/// context on the device is refused with the error (on the H200 the process cannot make one
+/// again: docs/gpu.md). Prints how long the futures and waiters took after the fault.
+fn a_faulted_context_resolves_every_future_and_waiter(
+    d: &Arc<dyn Driver>,
+    fault: impl FnOnce(&Context, cuda_stream_pool::driver::Stream),
+) {
+    use std::time::Instant;
+    let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(3));
+    let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
+    ctx.bind().unwrap(); // the host word below is allocated with raw calls
+    let word = common::stall::HostWord::new(d);
+    let mut done = Vec::new();
+    let mut copies = Vec::new();
+    for _ in 0..2 {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let b = DeviceBuffer::<u32>::zeroed(&s, 1024).unwrap();
+        // SAFETY: a live stream of this context, not capturing; the word is never set (the
+        // context dies first), and the stream is never synchronized or destroyed before that.
+        unsafe { word.hold(s.raw(), 1) };
+        done.push(s.completed().unwrap());
+        copies.push(b.to_vec_async(&s).unwrap());
+    } // owners gone: their streams retired busy; the key has 2 live streams of 3
+    let fo = ctx.owner();
+    let fs = fo.stream().unwrap(); // the third
+    let blocked: Vec<_> = (0..2)
+        .map(|_| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || ctx.owner().stream().map(|_| ()))
+        })
+        .collect();
+    let waiting = {
+        let ctx = ctx.clone();
+        std::thread::spawn(move || block_on(ctx.owner().ready()).map(|_| ()))
+    };
+    while ctx.stats().waits < 3 {
+        std::thread::yield_now();
+    }
+    fault(&ctx, fs.raw());
+    let t0 = Instant::now();
+    // Made after the fault: behind the faulting kernel on the GPU (never lands), refused at
+    // once on the simulation (its context is already dead there).
+    match fs.completed() {
+        Ok(f) => done.push(f),
+        Err(e) => assert!(e.is_sticky(), "a completion after the fault: {e}"),
+    }
+    for f in done {
+        let e = block_on(f).unwrap_err();
+        assert!(e.is_sticky(), "a completion: {e}");
+    }
+    for c in copies {
+        let e = block_on(c).unwrap_err();
+        assert!(e.is_sticky(), "a host copy: {e}");
+    }
+    let futures_after = t0.elapsed();
+    for w in blocked {
+        let e = w.join().unwrap().unwrap_err();
+        assert!(e.is_sticky(), "a blocked waiter: {e}");
+    }
+    let e = waiting.join().unwrap().unwrap_err();
+    assert!(e.is_sticky(), "an async waiter: {e}");
+    println!(
+        "after the fault: futures resolved in {futures_after:?}, waiters in {:?}",
+        t0.elapsed()
+    );
+    let code = ctx.health().unwrap_err().code();
+    drop(fs);
+    drop(fo);
+    drop(ctx);
+    drop(word);
+    let again = Context::primary(d.clone(), 0).map(|_| ()).unwrap_err();
+    assert_eq!(again.code(), code, "a new context after the fault: {again}");
+}
+
+#[test]
+fn sim_a_faulted_context_resolves_every_future_and_waiter() {
+    no_hang("a faulted context", || {
+        let sim = Arc::new(SimDriver::new());
+        let d: Arc<dyn Driver> = sim.clone();
+        a_faulted_context_resolves_every_future_and_waiter(&d, |ctx, _| {
+            sim.kill_context(ctx.raw(), FAULT)
+        });
+    });
+}
+
+/// On the H200: the fault is a kernel that writes to address 0x10 (`CUDA_ERROR_ILLEGAL_ADDRESS`).
+/// This binary holds no other GPU test: the fault ends GPU work on device 0 for the process.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_a_faulted_context_resolves_every_future_and_waiter() {
+    no_hang("a faulted context", || {
+        let d = common::cuda();
+        let raw = d.clone();
+        a_faulted_context_resolves_every_future_and_waiter(&d, move |ctx, s| {
+            ctx.bind().unwrap();
+            let ptx =
+                std::ffi::CStr::from_bytes_with_nul(cuda_stream_pool::kernels::PTX.as_bytes())
+                    .unwrap();
+            let m = raw.module_load_data(ptx).unwrap();
+            // SAFETY: `m` was just loaded.
+            let f = unsafe { raw.module_get_function(m, c"csp_add_u32") }.unwrap();
+            let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
+            let mut params = [
+                &mut x as *mut u64 as *mut std::ffi::c_void,
+                &mut n as *mut u32 as *mut std::ffi::c_void,
+                &mut v as *mut u32 as *mut std::ffi::c_void,
+            ];
+            // SAFETY: a live stream of the context, not capturing; the parameters match the
+            // kernel's. The pointer is deliberately invalid: the kernel faults the context (the
+            // point of this test), which affects nothing outside this process's device 0.
+            unsafe { raw.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }.unwrap();
+        });
+    });
+}
