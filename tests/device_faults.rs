@@ -222,14 +222,20 @@ fn an_async_waiter_at_the_cap_gets_the_sticky_error() {
 /// resolves with the sticky error, nothing hangs, and the context's teardown returns. A new
 /// context on the device is refused with the error (on the H200 the process cannot make one
 /// again: docs/gpu.md). Prints how long the futures and waiters took after the fault.
-fn a_faulted_context_resolves_every_future_and_waiter(
+///
+/// `prepare` runs before any stream is held and returns the fault: on the H200 a module load
+/// waits for every stream of the device (docs/gpu.md), so the faulting kernel is loaded first.
+fn a_faulted_context_resolves_every_future_and_waiter<
+    F: FnOnce(cuda_stream_pool::driver::Stream),
+>(
     d: &Arc<dyn Driver>,
-    fault: impl FnOnce(&Context, cuda_stream_pool::driver::Stream),
+    prepare: impl FnOnce(&Context) -> F,
 ) {
     use std::time::Instant;
     let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(3));
     let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
     ctx.bind().unwrap(); // the host word below is allocated with raw calls
+    let fault = prepare(&ctx);
     let word = common::stall::HostWord::new(d);
     let mut done = Vec::new();
     let mut copies = Vec::new();
@@ -258,7 +264,8 @@ fn a_faulted_context_resolves_every_future_and_waiter(
     while ctx.stats().waits < 3 {
         std::thread::yield_now();
     }
-    fault(&ctx, fs.raw());
+    eprintln!("three waiters at the cap; the fault");
+    fault(fs.raw());
     let t0 = Instant::now();
     // Made after the fault: behind the faulting kernel on the GPU (never lands), refused at
     // once on the simulation (its context is already dead there).
@@ -275,6 +282,7 @@ fn a_faulted_context_resolves_every_future_and_waiter(
         assert!(e.is_sticky(), "a host copy: {e}");
     }
     let futures_after = t0.elapsed();
+    eprintln!("futures resolved after {futures_after:?}");
     for w in blocked {
         let e = w.join().unwrap().unwrap_err();
         assert!(e.is_sticky(), "a blocked waiter: {e}");
@@ -289,6 +297,7 @@ fn a_faulted_context_resolves_every_future_and_waiter(
     drop(fs);
     drop(fo);
     drop(ctx);
+    eprintln!("the context's teardown returned");
     drop(word);
     let again = Context::primary(d.clone(), 0).map(|_| ()).unwrap_err();
     assert_eq!(again.code(), code, "a new context after the fault: {again}");
@@ -299,8 +308,9 @@ fn sim_a_faulted_context_resolves_every_future_and_waiter() {
     no_hang("a faulted context", || {
         let sim = Arc::new(SimDriver::new());
         let d: Arc<dyn Driver> = sim.clone();
-        a_faulted_context_resolves_every_future_and_waiter(&d, |ctx, _| {
-            sim.kill_context(ctx.raw(), FAULT)
+        a_faulted_context_resolves_every_future_and_waiter(&d, |ctx| {
+            let raw = ctx.raw();
+            move |_| sim.kill_context(raw, FAULT)
         });
     });
 }
@@ -313,24 +323,26 @@ fn gpu_a_faulted_context_resolves_every_future_and_waiter() {
     no_hang("a faulted context", || {
         let d = common::cuda();
         let raw = d.clone();
-        a_faulted_context_resolves_every_future_and_waiter(&d, move |ctx, s| {
-            ctx.bind().unwrap();
+        a_faulted_context_resolves_every_future_and_waiter(&d, move |_| {
             let ptx =
                 std::ffi::CStr::from_bytes_with_nul(cuda_stream_pool::kernels::PTX.as_bytes())
                     .unwrap();
             let m = raw.module_load_data(ptx).unwrap();
             // SAFETY: `m` was just loaded.
             let f = unsafe { raw.module_get_function(m, c"csp_add_u32") }.unwrap();
-            let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
-            let mut params = [
-                &mut x as *mut u64 as *mut std::ffi::c_void,
-                &mut n as *mut u32 as *mut std::ffi::c_void,
-                &mut v as *mut u32 as *mut std::ffi::c_void,
-            ];
-            // SAFETY: a live stream of the context, not capturing; the parameters match the
-            // kernel's. The pointer is deliberately invalid: the kernel faults the context (the
-            // point of this test), which affects nothing outside this process's device 0.
-            unsafe { raw.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }.unwrap();
+            move |s| {
+                let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
+                let mut params = [
+                    &mut x as *mut u64 as *mut std::ffi::c_void,
+                    &mut n as *mut u32 as *mut std::ffi::c_void,
+                    &mut v as *mut u32 as *mut std::ffi::c_void,
+                ];
+                // SAFETY: a live stream of the context, not capturing; the parameters match the
+                // kernel's. The pointer is deliberately invalid: the kernel faults the context (the
+                // point of this test), which affects nothing outside this process's device 0.
+                unsafe { raw.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }
+                    .unwrap();
+            }
         });
     });
 }
