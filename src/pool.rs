@@ -14,13 +14,15 @@
 
 use crate::driver::{Driver, Stream};
 use crate::error::Result;
-use crate::sync::{Mutex, MutexGuard};
+// Every lock, atomic and thread handle of the pool comes from the shim, so that a loom build
+// (`cfg(loom)`) checks them all.
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use crate::sync::{thread, Mutex, MutexGuard};
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 
@@ -417,7 +419,9 @@ pub(crate) struct Pool {
     lent: AtomicUsize,
 }
 
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+/// Not a synchronisation (only which shard is a thread's home), so std's atomic under loom too:
+/// loom's threads share the test's OS thread, hence one home for all of them.
+static NEXT_THREAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 thread_local! {
     static HOME: Cell<usize> = const { Cell::new(usize::MAX) };
 }
@@ -435,9 +439,17 @@ fn home_index() -> usize {
     .unwrap_or(0)
 }
 
+#[cfg(not(loom))]
 fn shard_count() -> usize {
     let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
     (cpus * 2).clamp(4, 64).next_power_of_two()
+}
+
+/// Two shards under loom: a search still steals from a shard other than the home one, with
+/// fewer locks for loom to interleave.
+#[cfg(loom)]
+fn shard_count() -> usize {
+    2
 }
 
 /// Whether a retired stream can be handed out or destroyed: not captured by a leaked guard, and
@@ -500,7 +512,7 @@ pub(crate) enum Mode {
 
 /// What wakes a waiter: a parked thread or an async task.
 enum Wake {
-    Thread(std::thread::Thread),
+    Thread(thread::Thread),
     /// In an `Arc`, so that the queue can copy it under its lock without running the waker's
     /// clone (user code).
     Task(Arc<Waker>),
@@ -922,8 +934,8 @@ impl Pool {
                 )));
             }
         }
-        let ticket = g.join(Wake::Thread(std::thread::current()));
-        let me = std::thread::current().id();
+        let ticket = g.join(Wake::Thread(thread::current()));
+        let me = thread::current().id();
         loop {
             if let Some(found) = g.take_handed(ticket.id) {
                 self.home(home_index()).hits.fetch_add(1, Ordering::Release);
@@ -932,7 +944,7 @@ impl Pool {
             }
             let turn = g.turn(
                 ticket.id,
-                Wake::Thread(std::thread::current()),
+                Wake::Thread(thread::current()),
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
@@ -1419,9 +1431,15 @@ fn wake_after_poll(w: Waker) {
             crate::sync::background_ran();
         }
     }
+    #[cfg(not(loom))]
     static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Bg>>> = std::sync::OnceLock::new();
     crate::sync::background_queued();
     let w = Bg(Some(w));
+    // No thread outside loom's model may touch its objects: under loom, woken at once (as when
+    // no thread can be started), which the waiter takes as a spurious wake-up.
+    #[cfg(loom)]
+    let tx: &Option<mpsc::Sender<Bg>> = &None;
+    #[cfg(not(loom))]
     let tx = POLLER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Bg>();
         std::thread::Builder::new()
