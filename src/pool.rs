@@ -16,7 +16,7 @@ use crate::driver::{Driver, Stream};
 use crate::error::Result;
 // Every lock, atomic and thread handle of the pool comes from the shim, so that a loom build
 // (`cfg(loom)`) checks them all.
-use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use crate::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use crate::sync::{thread, Mutex, MutexGuard};
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
@@ -653,6 +653,13 @@ impl Gate {
     /// Notifies the first waiter, if any. Takes no lock but the queue's and calls no driver
     /// function: it runs in host functions.
     pub(crate) fn notify(&self) {
+        // What the caller did before (a stream pushed and `retired` raised, `armed` set to RAN,
+        // a stream uncounted) against a waiter that joins now: either this reads its `waiting`
+        // or its next attempt sees what the caller did. Two SeqCst fences (here and in `join`)
+        // order them; the SeqCst accesses of `waiting` alone do not, as the caller's writes and
+        // the waiter's reads of them are not SeqCst (a lost wake-up that loom found: the waiter
+        // read `retired` as 0 while this read `waiting` as 0).
+        fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
@@ -683,6 +690,9 @@ impl Gate {
             handed: None,
         });
         self.waiting.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence of `notify` (see there): the attempts that follow see what a
+        // notifier did before a `waiting` it read as 0.
+        fence(Ordering::SeqCst);
         self.waits.fetch_add(1, Ordering::Relaxed);
         Ticket {
             gate: self.clone(),
@@ -1265,7 +1275,8 @@ impl Pool {
         self.shard(home).push(slot);
         self.home(home).releases.fetch_add(1, Ordering::Release);
         // After the push (and its lock): a waiter that joined before it sees the stream in its
-        // next attempt, or is notified here (`waiting` is read after the push, SeqCst).
+        // next attempt, or is notified here (`waiting` is read after the push and a SeqCst
+        // fence, which pairs with the one after the waiter's join).
         self.gate.notify();
         if trim && retired > self.idle_cap() {
             self.trim_excess(driver);

@@ -32,10 +32,14 @@ use std::sync as imp;
 /// constructor.)
 pub(crate) mod atomic {
     #[cfg(not(loom))]
-    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use std::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
 
     #[cfg(loom)]
-    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use loom::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
 }
 
 /// Thread handles for [`park`] and [`unpark`]: std's, or loom's under `cfg(loom)`.
