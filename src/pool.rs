@@ -1475,3 +1475,8 @@ fn wake_after_poll(w: Waker) {
         None => w.wake(),
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_driver;
+#[cfg(all(test, loom))]
+mod loom_tests;
