@@ -1639,7 +1639,12 @@ impl CtxInner {
 /// that what a loan relies on lives as long as the loan. Torn down again by a later call of the
 /// crate (any context's flush, a new context) once a loan of theirs has ended; leaked if that
 /// never happens.
+#[cfg(not(loom))]
 static LINGERING: Mutex<Vec<CtxInner>> = Mutex::new(Vec::new());
+/// Under loom (whose mutex has no `const` constructor) made on first use; no loom test reaches it.
+#[cfg(loom)]
+static LINGERING: std::sync::LazyLock<Mutex<Vec<CtxInner>>> =
+    std::sync::LazyLock::new(|| Mutex::new(Vec::new()));
 /// `LINGERING.len()`, readable without its lock: the fast path of every flush.
 static LINGERING_LEN: AtomicUsize = AtomicUsize::new(0);
 

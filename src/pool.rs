@@ -14,13 +14,15 @@
 
 use crate::driver::{Driver, Stream};
 use crate::error::Result;
-use crate::sync::{Mutex, MutexGuard};
+// Every lock, atomic and thread handle of the pool comes from the shim, so that a loom build
+// (`cfg(loom)`) checks them all.
+use crate::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use crate::sync::{thread, Mutex, MutexGuard};
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Waker};
 
@@ -426,7 +428,9 @@ pub(crate) struct Pool {
     lent: AtomicUsize,
 }
 
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+/// Not a synchronisation (only which shard is a thread's home), so std's atomic under loom too:
+/// loom's threads share the test's OS thread, hence one home for all of them.
+static NEXT_THREAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 thread_local! {
     static HOME: Cell<usize> = const { Cell::new(usize::MAX) };
 }
@@ -444,9 +448,17 @@ fn home_index() -> usize {
     .unwrap_or(0)
 }
 
+#[cfg(not(loom))]
 fn shard_count() -> usize {
     let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
     (cpus * 2).clamp(4, 64).next_power_of_two()
+}
+
+/// Two shards under loom: a search still steals from a shard other than the home one, with
+/// fewer locks for loom to interleave.
+#[cfg(loom)]
+fn shard_count() -> usize {
+    2
 }
 
 /// Whether a retired stream can be handed out or destroyed: not captured by a leaked guard, and
@@ -509,7 +521,7 @@ pub(crate) enum Mode {
 
 /// What wakes a waiter: a parked thread or an async task.
 enum Wake {
-    Thread(std::thread::Thread),
+    Thread(thread::Thread),
     /// In an `Arc`, so that the queue can copy it under its lock without running the waker's
     /// clone (user code).
     Task(Arc<Waker>),
@@ -650,6 +662,13 @@ impl Gate {
     /// Notifies the first waiter, if any. Takes no lock but the queue's and calls no driver
     /// function: it runs in host functions.
     pub(crate) fn notify(&self) {
+        // What the caller did before (a stream pushed and `retired` raised, `armed` set to RAN,
+        // a stream uncounted) against a waiter that joins now: either this reads its `waiting`
+        // or its next attempt sees what the caller did. Two SeqCst fences (here and in `join`)
+        // order them; the SeqCst accesses of `waiting` alone do not, as the caller's writes and
+        // the waiter's reads of them are not SeqCst (a lost wake-up that loom found: the waiter
+        // read `retired` as 0 while this read `waiting` as 0).
+        fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
@@ -680,6 +699,9 @@ impl Gate {
             handed: None,
         });
         self.waiting.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence of `notify` (see there): the attempts that follow see what a
+        // notifier did before a `waiting` it read as 0.
+        fence(Ordering::SeqCst);
         self.waits.fetch_add(1, Ordering::Relaxed);
         Ticket {
             gate: self.clone(),
@@ -936,8 +958,8 @@ impl Pool {
                 )));
             }
         }
-        let mut ticket = g.join(Wake::Thread(std::thread::current()));
-        let me = std::thread::current().id();
+        let mut ticket = g.join(Wake::Thread(thread::current()));
+        let me = thread::current().id();
         loop {
             if let Some(found) = g.take_handed(ticket.id) {
                 self.home(home_index()).hits.fetch_add(1, Ordering::Release);
@@ -946,7 +968,7 @@ impl Pool {
             }
             let turn = g.turn(
                 ticket.id,
-                Wake::Thread(std::thread::current()),
+                Wake::Thread(thread::current()),
                 &|w| matches!(w, Wake::Thread(t) if t.id() == me),
             );
             if !turn {
@@ -1303,7 +1325,8 @@ impl Pool {
         self.shard(home).push(slot);
         self.home(home).releases.fetch_add(1, Ordering::Release);
         // After the push (and its lock): a waiter that joined before it sees the stream in its
-        // next attempt, or is notified here (`waiting` is read after the push, SeqCst).
+        // next attempt, or is notified here (`waiting` is read after the push and a SeqCst
+        // fence, which pairs with the one after the waiter's join).
         self.gate.notify();
         if trim && retired > self.idle_cap() {
             self.trim_excess(driver);
@@ -1477,11 +1500,17 @@ fn wake_after_poll(w: Waker, counted: bool) {
             }
         }
     }
+    #[cfg(not(loom))]
     static POLLER: std::sync::OnceLock<Option<mpsc::Sender<Bg>>> = std::sync::OnceLock::new();
     if counted {
         crate::sync::background_queued();
     }
     let w = Bg(Some(w), counted);
+    // No thread outside loom's model may touch its objects: under loom, woken at once (as when
+    // no thread can be started), which the waiter takes as a spurious wake-up.
+    #[cfg(loom)]
+    let tx: &Option<mpsc::Sender<Bg>> = &None;
+    #[cfg(not(loom))]
     let tx = POLLER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Bg>();
         std::thread::Builder::new()
@@ -1507,3 +1536,8 @@ fn wake_after_poll(w: Waker, counted: bool) {
         None => w.wake(),
     }
 }
+
+#[cfg(all(test, loom))]
+mod loom_driver;
+#[cfg(all(test, loom))]
+mod loom_tests;

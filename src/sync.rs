@@ -11,33 +11,110 @@
 //! input gives the same interleaving on an idle or a loaded machine. A scheduled thread that
 //! tries to lock a mutex it holds itself (a re-entrant lock: a deadlock in production) panics
 //! with a message instead. Without the feature these are std's primitives and nothing else.
+//!
+//! Under `cfg(loom)` (`RUSTFLAGS="--cfg loom"`, `scripts/loom.sh`) the mutex, the condition
+//! variable, parking, the thread handles of [`thread`] and the atomics of [`atomic`] are loom's,
+//! so that loom's exhaustive scheduler sees every synchronisation of the modules that take them
+//! from here (the pool's slots and gate); the model's hooks are then left out of them. Such a
+//! build runs only the loom tests (`cargo test --lib loom`): loom's objects exist only inside a
+//! `loom::model`.
 
 use std::ops::{Deref, DerefMut};
+
+// The lock and condition variable under the crate's wrappers: std's, or loom's (`cfg(loom)`).
+#[cfg(loom)]
+use loom::sync as imp;
+#[cfg(not(loom))]
+use std::sync as imp;
+
+/// The atomics of the modules whose lock-free parts loom checks (the pool): std's, or loom's
+/// under `cfg(loom)`. (A process-wide `static` counter keeps std's: loom's have no `const`
+/// constructor.)
+pub(crate) mod atomic {
+    #[cfg(not(loom))]
+    pub(crate) use std::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
+
+    #[cfg(loom)]
+    pub(crate) use loom::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
+}
+
+/// Thread handles for [`park`] and [`unpark`]: std's, or loom's under `cfg(loom)`.
+pub(crate) mod thread {
+    #[cfg(not(loom))]
+    pub(crate) use std::thread::{current, Thread};
+
+    /// A loom thread and its park token. Loom's own `unpark` makes a thread that is blocked
+    /// elsewhere (on a lock) runnable without keeping the token for its next `park`, which std
+    /// keeps: a false deadlock for a waiter unparked while it takes the gate's lock. The token
+    /// is kept here instead (std's semantics, with its synchronisation: `unpark` happens before
+    /// the `park` that takes the token).
+    #[cfg(loom)]
+    #[derive(Clone, Debug)]
+    pub(crate) struct Thread {
+        pub(super) handle: loom::thread::Thread,
+        pub(super) token: std::sync::Arc<loom::sync::Mutex<bool>>,
+    }
+
+    #[cfg(loom)]
+    impl Thread {
+        pub(crate) fn id(&self) -> loom::thread::ThreadId {
+            self.handle.id()
+        }
+    }
+
+    #[cfg(loom)]
+    loom::thread_local! {
+        static TOKEN: std::sync::Arc<loom::sync::Mutex<bool>> =
+            std::sync::Arc::new(loom::sync::Mutex::new(false));
+    }
+
+    /// The calling thread's handle.
+    #[cfg(loom)]
+    pub(crate) fn current() -> Thread {
+        Thread {
+            handle: loom::thread::current(),
+            token: TOKEN.with(|t| t.clone()),
+        }
+    }
+}
 
 /// A mutual-exclusion lock whose [`Mutex::lock`] cannot fail (a poisoned lock is taken as it
 /// is).
 #[derive(Default)]
 pub(crate) struct Mutex<T: ?Sized> {
     /// Who holds the lock (see [`hook`]); only with `model-hooks`.
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     holder: std::sync::atomic::AtomicU64,
-    inner: std::sync::Mutex<T>,
+    inner: imp::Mutex<T>,
 }
 
 /// The guard of a [`Mutex`].
 pub(crate) struct MutexGuard<'a, T: ?Sized> {
-    #[cfg_attr(not(feature = "model-hooks"), allow(dead_code))]
+    #[cfg_attr(not(all(feature = "model-hooks", not(loom))), allow(dead_code))]
     lock: &'a Mutex<T>,
     /// `None` only while a [`Condvar::wait`] has released the lock.
-    inner: Option<std::sync::MutexGuard<'a, T>>,
+    inner: Option<imp::MutexGuard<'a, T>>,
 }
 
 impl<T> Mutex<T> {
+    #[cfg(not(loom))]
     pub(crate) const fn new(value: T) -> Mutex<T> {
         Mutex {
             #[cfg(feature = "model-hooks")]
             holder: std::sync::atomic::AtomicU64::new(0),
-            inner: std::sync::Mutex::new(value),
+            inner: imp::Mutex::new(value),
+        }
+    }
+
+    /// Not `const` under loom (nor are loom's constructors).
+    #[cfg(loom)]
+    pub(crate) fn new(value: T) -> Mutex<T> {
+        Mutex {
+            inner: imp::Mutex::new(value),
         }
     }
 }
@@ -45,9 +122,9 @@ impl<T> Mutex<T> {
 impl<T: ?Sized> Mutex<T> {
     /// Locks, blocking until the lock is free (a scheduled thread yields instead).
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        #[cfg(feature = "model-hooks")]
+        #[cfg(all(feature = "model-hooks", not(loom)))]
         let inner = hook::lock(&self.inner, &self.holder);
-        #[cfg(not(feature = "model-hooks"))]
+        #[cfg(not(all(feature = "model-hooks", not(loom))))]
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         MutexGuard {
             lock: self,
@@ -86,7 +163,7 @@ impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
 
 impl<T: ?Sized> Drop for MutexGuard<'_, T> {
     fn drop(&mut self) {
-        #[cfg(feature = "model-hooks")]
+        #[cfg(all(feature = "model-hooks", not(loom)))]
         if self.inner.is_some() {
             hook::unlocking(&self.lock.holder);
         }
@@ -96,18 +173,25 @@ impl<T: ?Sized> Drop for MutexGuard<'_, T> {
 /// A condition variable for [`Mutex`]. Waits may wake spuriously, as std's may: callers loop
 /// on their condition.
 #[derive(Debug, Default)]
-pub(crate) struct Condvar(std::sync::Condvar);
+pub(crate) struct Condvar(imp::Condvar);
 
 impl Condvar {
+    #[cfg(not(loom))]
     pub(crate) const fn new() -> Condvar {
-        Condvar(std::sync::Condvar::new())
+        Condvar(imp::Condvar::new())
+    }
+
+    /// Not `const` under loom.
+    #[cfg(loom)]
+    pub(crate) fn new() -> Condvar {
+        Condvar(imp::Condvar::new())
     }
 
     /// Releases the lock, waits for a notification (a scheduled thread yields once instead: a
     /// spurious wake-up), and locks again.
     pub(crate) fn wait<'a, T>(&self, mut guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
         let inner = guard.inner.take().expect("a guard holds its lock");
-        #[cfg(feature = "model-hooks")]
+        #[cfg(all(feature = "model-hooks", not(loom)))]
         if hook::scheduled() {
             hook::unlocking(&guard.lock.holder);
             drop(inner);
@@ -117,10 +201,10 @@ impl Condvar {
             std::mem::forget(guard);
             return lock.lock();
         }
-        #[cfg(feature = "model-hooks")]
+        #[cfg(all(feature = "model-hooks", not(loom)))]
         hook::unlocking(&guard.lock.holder);
         let inner = self.0.wait(inner).unwrap_or_else(|p| p.into_inner());
-        #[cfg(feature = "model-hooks")]
+        #[cfg(all(feature = "model-hooks", not(loom)))]
         hook::locked(&guard.lock.holder);
         guard.inner = Some(inner);
         guard
@@ -138,45 +222,73 @@ impl Condvar {
 /// Parks the calling thread until it is unparked (or spuriously; a scheduled thread yields once
 /// instead).
 pub(crate) fn park() {
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     if hook::scheduled() {
         hook::yield_now("park");
         return;
     }
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     let _parked = hook::Parked::new();
+    #[cfg(not(loom))]
     std::thread::park();
+    #[cfg(loom)]
+    {
+        let me = thread::current();
+        while !std::mem::take(&mut *me.token.lock().unwrap()) {
+            loom::thread::park();
+        }
+    }
 }
 
 /// [`park`], but returning after `dur` at the latest: for a thread that waits to be unparked and
 /// also looks now and then at something that tells nobody (whether its context died). To a test
 /// scheduler it is parked as with [`park`] (only an unpark is a reason for it to go on).
 pub(crate) fn park_polling(dur: std::time::Duration) {
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     if hook::scheduled() {
         hook::yield_now("park");
         return;
     }
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     let _parked = hook::Parked::new();
+    #[cfg(not(loom))]
     std::thread::park_timeout(dur);
+    // Loom has no clock: as `park_timeout`.
+    #[cfg(loom)]
+    {
+        let _ = dur;
+        loom::thread::yield_now();
+    }
 }
 
 /// Unparks `t` (see [`park`]).
-pub(crate) fn unpark(t: &std::thread::Thread) {
-    #[cfg(feature = "model-hooks")]
+pub(crate) fn unpark(t: &thread::Thread) {
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     hook::unparking(t.id());
+    #[cfg(not(loom))]
     t.unpark();
+    #[cfg(loom)]
+    {
+        *t.token.lock().unwrap() = true;
+        t.handle.unpark();
+    }
 }
 
 /// Parks the calling thread for at most `dur` (a scheduled thread yields once instead).
 pub(crate) fn park_timeout(dur: std::time::Duration) {
-    #[cfg(feature = "model-hooks")]
+    #[cfg(all(feature = "model-hooks", not(loom)))]
     if hook::scheduled() {
         hook::yield_now("park");
         return;
     }
+    #[cfg(not(loom))]
     std::thread::park_timeout(dur);
+    // Loom has no clock: a timed park is a park that may end at once (as a timeout may).
+    #[cfg(loom)]
+    {
+        let _ = dur;
+        loom::thread::yield_now();
+    }
 }
 
 /// Whether the calling thread yields to a test scheduler where it would wait (feature
@@ -213,8 +325,10 @@ pub(crate) fn yield_now(what: &'static str) {
     let _ = what;
 }
 
-/// The scheduler hook (feature `model-hooks`; not part of the crate's API).
+/// The scheduler hook (feature `model-hooks`; not part of the crate's API). Under `cfg(loom)`
+/// the primitives above do not call it (loom schedules their threads).
 #[cfg(feature = "model-hooks")]
+#[cfg_attr(loom, allow(dead_code))]
 pub mod hook {
     use std::cell::{Cell, RefCell};
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,8 +2,15 @@
 //! one. The device rules refuse every driver call there ([`super::DeviceRules`]); the host
 //! function wrapper that sets it is `crate::hostfn::host_fn`, above this layer.
 
+#[cfg(not(loom))]
 thread_local! {
     static IN_HOST_FN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+// Loom's threads share one OS thread: the flag is one per loom thread.
+#[cfg(loom)]
+loom::thread_local! {
+    static IN_HOST_FN: std::cell::Cell<bool> = std::cell::Cell::new(false);
 }
 
 /// Whether the calling thread is running a host function enqueued by the crate. There the driver
