@@ -18,7 +18,9 @@ mod loans;
 mod sched;
 
 use arbitrary::Unstructured;
-use cuda_stream_pool::driver::{CaptureMode, CaptureStatus, Driver, SimConfig, SimDriver};
+use cuda_stream_pool::driver::{
+    CaptureMode, CaptureStatus, Driver, MemPoolAttr, SimConfig, SimDriver,
+};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{
     CaptureGuard, Context, ContextOptions, DeviceBuffer, Error, ErrorCode, Graph, GraphExec,
@@ -735,6 +737,31 @@ fn refused_in_capture<T: std::fmt::Debug>(r: &cuda_stream_pool::Result<T>, what:
     );
 }
 
+/// After a successful switch of `o`'s selection from priority `from` to `to` (both streams
+/// held): the stream of `to` is ordered after the work enqueued on the stream of `from` (the
+/// crate records an event on the old stream and makes the new one wait for it), so while that
+/// work is pending the new stream is busy. The new stream is read first: once it is idle its
+/// wait has completed, and so has everything enqueued on the old stream before the switch (and
+/// nothing enqueues more on it meanwhile), so no timing decides the verdict. `is_busy` is not a
+/// driver call: injected faults stay where the input put them.
+fn check_switch_ordered(sim: &SimDriver, o: &Owner, from: i32, to: i32, what: &str) {
+    if from == to {
+        return;
+    }
+    let streams = o.streams();
+    let find = |p: i32| streams.iter().find(|(q, _)| *q == p).map(|(_, s)| s.raw());
+    let (Some(prev), Some(next)) = (find(from), find(to)) else {
+        return;
+    };
+    let next_busy = sim.is_busy(next);
+    let prev_busy = sim.is_busy(prev);
+    assert!(
+        !prev_busy || next_busy,
+        "{what} from priority {from} to {to}: the new stream {next:?} is idle while the \
+         previous one {prev:?} still has work: the switch did not order it after that work"
+    );
+}
+
 impl Model {
     pub fn new() -> Model {
         Model::with_cap(None)
@@ -1049,6 +1076,9 @@ impl Model {
                         .iter()
                         .any(|(q, s)| (*q == before || *q == value) && self.capturing(s));
                     let r = o.set_priority(prio(p));
+                    if r.is_ok() {
+                        check_switch_ordered(&self.sim, &o, before, value, "set_priority");
+                    }
                     let in_range = (-5..=0).contains(&p) || p == 1 || p == 2;
                     if !in_range || (capturing && value != before) {
                         assert!(r.is_err(), "priority {p} accepted (capturing: {capturing})");
@@ -1071,12 +1101,19 @@ impl Model {
                     let o = self.owners[i].1.clone();
                     let before = o.priority();
                     let sim = self.sim.clone();
-                    let _ = o.with_priority(prio(p), || {
+                    let r = o.with_priority(prio(p), || {
+                        let scoped = o.priority();
+                        check_switch_ordered(&sim, &o, before, scoped, "with_priority's switch");
                         if let Ok(s) = o.stream() {
                             let _ = sim.enqueue_work(s.raw(), ns);
                         }
+                        scoped
                     });
                     assert_eq!(o.priority(), before, "scoped priority not restored");
+                    // (A failed restore selects the previous stream unordered, as documented.)
+                    if let Ok(scoped) = r {
+                        check_switch_ordered(&sim, &o, scoped, before, "with_priority's restore");
+                    }
                 }
             }
             &Op::Alloc { holder, len } => {
@@ -1631,6 +1668,26 @@ impl Model {
     }
 
     /// Drops everything; every stream must be destroyed and every byte freed exactly once.
+    /// The crate's buffers come from its own memory pool (`MemPoolChoice::Own`, the model's
+    /// context): none from the device's default pool, which other libraries use. Checked at
+    /// teardown only, with the model's buffers still alive, after the faults were cleared and
+    /// every capture ended (the pool attribute is a call of the invalidation table, and every
+    /// driver call moves the injected faults).
+    fn check_default_pool_unused(&self) {
+        let dev = self.sim.device_get(0).expect("device 0");
+        let pool = self.sim.device_default_mem_pool(dev).expect("default pool");
+        // SAFETY: the device's default pool lives as long as the simulation.
+        let used = unsafe {
+            self.sim
+                .mem_pool_get_attribute(pool, MemPoolAttr::UsedMemCurrent)
+        };
+        assert!(
+            matches!(used, Ok(0)),
+            "allocated from the device's default memory pool, not the context's own: {used:?} \
+             bytes in use there"
+        );
+    }
+
     pub fn teardown(mut self) {
         self.sim.clear_faults();
         // Foreign captures end first: they must have survived every operation.
@@ -1642,6 +1699,9 @@ impl Model {
         self.futs.clear();
         self.guards.clear();
         self.execs.clear();
+        if self.leaked.is_empty() {
+            self.check_default_pool_unused();
+        }
         self.bufs.clear();
         self.leaked_uses.clear();
         self.owners.clear();
