@@ -213,6 +213,15 @@ pub enum Op {
         action: futs::Reenter,
         at: futs::At,
     },
+    /// A new owner of the key of owner `owner` (its current priority; Normal without owners)
+    /// waits for its stream (`Owner::ready`, as [`Op::Ready`]), polled at once with a waker
+    /// whose wake, clone or drop (`at`) makes another owner of the key poll its own
+    /// `Owner::ready` once (`futs::Reenter::Acquire`): a waker the crate runs under its pool's
+    /// or gate's lock locks it again, which panics under `model-hooks` (recorded by the model).
+    ReentrantReady {
+        owner: usize,
+        at: futs::At,
+    },
 }
 
 /// A step of a worker thread in [`Op::Par`]; it works on its own owner's stream.
@@ -316,7 +325,9 @@ fn is_ext(b: u8, u: &Unstructured<'_>, leaks: bool) -> bool {
 fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
     // 16 codes from the start: codes 0 to 4 were assigned first and 5 to 12 repeat them
     // (`c % 5`); operations added later take codes from 15 down (the loans took 15 to 13),
-    // each with an arm of its own here, which changes the meaning of that code only.
+    // each with an arm of its own here, which changes the meaning of that code only (no
+    // committed input has an escape of code 12 or 11: the re-entrant acquisition took both,
+    // so that drawn inputs reach it more often).
     Ok(match u.int_in_range(0..=15u8)? {
         15 => Op::Lend { owner: idx(u)? },
         14 => Op::LoanWork {
@@ -324,6 +335,10 @@ fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
             ns: u.int_in_range(0..=10_000u64)?,
         },
         13 => Op::EndLoan(idx(u)?),
+        12 | 11 => Op::ReentrantReady {
+            owner: idx(u)?,
+            at: [futs::At::Wake, futs::At::Clone, futs::At::Drop][u.int_in_range(0..=2usize)?],
+        },
         c => decode_ext_first(c % 5, u)?,
     })
 }
@@ -712,6 +727,11 @@ pub struct Model {
     held: HashSet<(u64, u64)>,
     /// The model's count of hand-overs per raw stream (the simulation never reuses handles).
     gens: HashMap<u64, u64>,
+    /// Hand-overs to owners that re-entrant wakers made and dropped (`futs::Reenter::Acquire`),
+    /// per raw stream: counted in [`Model::gen_of`].
+    handed_unseen: Arc<std::sync::Mutex<HashMap<u64, u64>>>,
+    /// Panics of re-entrant wakers' actions (`futs::Reentrant`), checked after every step.
+    waker_panics: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 fn pick<T>(v: &[T], i: usize) -> Option<usize> {
@@ -819,6 +839,8 @@ impl Model {
             next_owner: 0,
             held: HashSet::new(),
             gens: HashMap::new(),
+            handed_unseen: Arc::default(),
+            waker_panics: Arc::default(),
         }
     }
 
@@ -905,7 +927,14 @@ impl Model {
     }
 
     fn gen_of(&self, raw: u64) -> u64 {
-        self.gens.get(&raw).copied().unwrap_or(0)
+        let unseen = self
+            .handed_unseen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&raw)
+            .copied()
+            .unwrap_or(0);
+        self.gens.get(&raw).copied().unwrap_or(0) + unseen
     }
 
     /// Holder `i` among the owners and the owned streams.
@@ -1437,6 +1466,14 @@ impl Model {
             } => self.leak_use(buffer, holder, write, ns, drop_now),
             &Op::ManyOwners { p, extra } => self.many_owners(p, extra),
             &Op::ReentrantPoll { fut, action, at } => self.reentrant_poll(fut, action, at),
+            &Op::ReentrantReady { owner, at } => {
+                let p = pick(&self.owners, owner).map_or(0, |i| self.owners[i].1.priority());
+                let n = self.futs.len();
+                self.ready(p, false);
+                if self.futs.len() > n {
+                    self.reentrant_poll(n, futs::Reenter::Acquire, at);
+                }
+            }
             &Op::Lend { owner } => acquired = self.lend(owner),
             &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
             &Op::EndLoan(k) => self.end_loan(k),
@@ -1570,6 +1607,14 @@ impl Model {
 
     /// The invariants that hold after every step.
     pub fn check(&self, after_search: bool) {
+        // A re-entrant waker's action that panicked (the crate catches a waker's panic, so the
+        // model records it): e.g. a lock of the crate taken again under itself.
+        let panics =
+            std::mem::take(&mut *self.waker_panics.lock().unwrap_or_else(|p| p.into_inner()));
+        assert!(
+            panics.is_empty(),
+            "a re-entrant waker's action panicked: {panics:?}"
+        );
         // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
         for (_, raw) in self.held_pairs() {
