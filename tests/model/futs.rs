@@ -704,6 +704,14 @@ pub enum Reenter {
     Trim,
     /// Drops one of the model's buffers (given to the waker).
     DropBuffer(usize),
+    /// A new owner of the future's key (`Priority::Normal` for a future that is not an
+    /// `Owner::ready`) polls its own `Owner::ready` once and goes: it searches the pool or joins
+    /// and leaves the key's queue, so a waker run under the pool's shard lock or the gate's
+    /// queue lock locks it again (a re-entrant lock panics under `model-hooks`). Only on the
+    /// model's thread (elsewhere the waker keeps it for a later wake, clone or drop there): a
+    /// stream it holds for a moment on another thread would race the model's checks of the
+    /// pool's counters. A stream it is handed counts as a hand-over (`Model::gen_of`).
+    Acquire,
 }
 
 /// When a re-entrant waker runs its action: at a wake, at a clone, or at a drop of a clone.
@@ -718,15 +726,34 @@ pub enum At {
 struct Reentrant {
     count: Arc<Count>,
     at: At,
+    /// The only thread that runs the action, if any.
+    only_on: Option<std::thread::ThreadId>,
+    /// Where a panic of the action goes (the crate catches a waker's panic): the model's
+    /// `waker_panics`, checked after every step.
+    panics: Arc<std::sync::Mutex<Vec<String>>>,
     action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 impl Reentrant {
     fn fire(&self, now: At) {
-        if now == self.at {
+        if now == self.at
+            && self
+                .only_on
+                .is_none_or(|t| t == std::thread::current().id())
+        {
             let f = self.action.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(f) = f {
-                f();
+                if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                    let msg = e
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    self.panics
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(msg);
+                }
             }
         }
     }
@@ -775,6 +802,7 @@ impl Model {
             return;
         };
         let ctx = self.ctx().clone();
+        let mut only_on = None;
         let f: Box<dyn FnOnce() + Send> = match action {
             Reenter::Trim => Box::new(move || {
                 let _ = ctx.trim();
@@ -786,11 +814,33 @@ impl Model {
                 let b = self.bufs.swap_remove(j).b;
                 Box::new(move || drop(b))
             }
+            Reenter::Acquire => {
+                let key = match &self.futs[i].kind {
+                    Kind::Ready { key, .. } => *key,
+                    _ => 0,
+                };
+                only_on = Some(std::thread::current().id());
+                let handed = self.handed_unseen.clone();
+                Box::new(move || {
+                    let o = ctx.owner();
+                    let _ = o.set_priority(Priority::Value(key));
+                    let mut f = o.ready();
+                    let w = Waker::from(Arc::new(Count::default()));
+                    if let Poll::Ready(Ok(o)) = Pin::new(&mut f).poll(&mut TaskCx::from_waker(&w)) {
+                        let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
+                        for (_, s) in o.streams() {
+                            *h.entry(s.raw().0).or_insert(0) += 1;
+                        }
+                    }
+                })
+            }
         };
         let count = Arc::new(Count::default());
         let r = Arc::new(Reentrant {
             count: count.clone(),
             at,
+            only_on,
+            panics: self.waker_panics.clone(),
             action: std::sync::Mutex::new(Some(f)),
         });
         let f = &mut self.futs[i];

@@ -18,7 +18,9 @@ mod loans;
 mod sched;
 
 use arbitrary::Unstructured;
-use cuda_stream_pool::driver::{CaptureMode, CaptureStatus, Driver, SimConfig, SimDriver};
+use cuda_stream_pool::driver::{
+    CaptureMode, CaptureStatus, Driver, MemPoolAttr, SimConfig, SimDriver,
+};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{
     CaptureGuard, Context, ContextOptions, DeviceBuffer, Error, ErrorCode, Graph, GraphExec,
@@ -211,6 +213,15 @@ pub enum Op {
         action: futs::Reenter,
         at: futs::At,
     },
+    /// A new owner of the key of owner `owner` (its current priority; Normal without owners)
+    /// waits for its stream (`Owner::ready`, as [`Op::Ready`]), polled at once with a waker
+    /// whose wake, clone or drop (`at`) makes another owner of the key poll its own
+    /// `Owner::ready` once (`futs::Reenter::Acquire`): a waker the crate runs under its pool's
+    /// or gate's lock locks it again, which panics under `model-hooks` (recorded by the model).
+    ReentrantReady {
+        owner: usize,
+        at: futs::At,
+    },
 }
 
 /// A step of a worker thread in [`Op::Par`]; it works on its own owner's stream.
@@ -318,7 +329,9 @@ fn is_ext(b: u8, u: &Unstructured<'_>, leaks: bool) -> bool {
 fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
     // 16 codes from the start: codes 0 to 4 were assigned first and 5 to 12 repeat them
     // (`c % 5`); operations added later take codes from 15 down (the loans took 15 to 13),
-    // each with an arm of its own here, which changes the meaning of that code only.
+    // each with an arm of its own here, which changes the meaning of that code only (no
+    // committed input has an escape of code 12 or 11: the re-entrant acquisition took both,
+    // so that drawn inputs reach it more often).
     Ok(match u.int_in_range(0..=15u8)? {
         15 => Op::Lend { owner: idx(u)? },
         14 => Op::LoanWork {
@@ -326,6 +339,10 @@ fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
             ns: u.int_in_range(0..=10_000u64)?,
         },
         13 => Op::EndLoan(idx(u)?),
+        12 | 11 => Op::ReentrantReady {
+            owner: idx(u)?,
+            at: [futs::At::Wake, futs::At::Clone, futs::At::Drop][u.int_in_range(0..=2usize)?],
+        },
         c => decode_ext_first(c % 5, u)?,
     })
 }
@@ -714,6 +731,11 @@ pub struct Model {
     held: HashSet<(u64, u64)>,
     /// The model's count of hand-overs per raw stream (the simulation never reuses handles).
     gens: HashMap<u64, u64>,
+    /// Hand-overs to owners that re-entrant wakers made and dropped (`futs::Reenter::Acquire`),
+    /// per raw stream: counted in [`Model::gen_of`].
+    handed_unseen: Arc<std::sync::Mutex<HashMap<u64, u64>>>,
+    /// Panics of re-entrant wakers' actions (`futs::Reentrant`), checked after every step.
+    waker_panics: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 fn pick<T>(v: &[T], i: usize) -> Option<usize> {
@@ -736,6 +758,31 @@ fn refused_in_capture<T: std::fmt::Debug>(r: &cuda_stream_pool::Result<T>, what:
     assert!(
         matches!(r, Err(Error::CaptureInProgress(_))),
         "{what} on a capturing stream: {r:?}"
+    );
+}
+
+/// After a successful switch of `o`'s selection from priority `from` to `to` (both streams
+/// held): the stream of `to` is ordered after the work enqueued on the stream of `from` (the
+/// crate records an event on the old stream and makes the new one wait for it), so while that
+/// work is pending the new stream is busy. The new stream is read first: once it is idle its
+/// wait has completed, and so has everything enqueued on the old stream before the switch (and
+/// nothing enqueues more on it meanwhile), so no timing decides the verdict. `is_busy` is not a
+/// driver call: injected faults stay where the input put them.
+fn check_switch_ordered(sim: &SimDriver, o: &Owner, from: i32, to: i32, what: &str) {
+    if from == to {
+        return;
+    }
+    let streams = o.streams();
+    let find = |p: i32| streams.iter().find(|(q, _)| *q == p).map(|(_, s)| s.raw());
+    let (Some(prev), Some(next)) = (find(from), find(to)) else {
+        return;
+    };
+    let next_busy = sim.is_busy(next);
+    let prev_busy = sim.is_busy(prev);
+    assert!(
+        !prev_busy || next_busy,
+        "{what} from priority {from} to {to}: the new stream {next:?} is idle while the \
+         previous one {prev:?} still has work: the switch did not order it after that work"
     );
 }
 
@@ -796,6 +843,8 @@ impl Model {
             next_owner: 0,
             held: HashSet::new(),
             gens: HashMap::new(),
+            handed_unseen: Arc::default(),
+            waker_panics: Arc::default(),
         }
     }
 
@@ -882,7 +931,14 @@ impl Model {
     }
 
     fn gen_of(&self, raw: u64) -> u64 {
-        self.gens.get(&raw).copied().unwrap_or(0)
+        let unseen = self
+            .handed_unseen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&raw)
+            .copied()
+            .unwrap_or(0);
+        self.gens.get(&raw).copied().unwrap_or(0) + unseen
     }
 
     /// Holder `i` among the owners and the owned streams.
@@ -1053,6 +1109,9 @@ impl Model {
                         .iter()
                         .any(|(q, s)| (*q == before || *q == value) && self.capturing(s));
                     let r = o.set_priority(prio(p));
+                    if r.is_ok() {
+                        check_switch_ordered(&self.sim, &o, before, value, "set_priority");
+                    }
                     let in_range = (-5..=0).contains(&p) || p == 1 || p == 2;
                     if !in_range || (capturing && value != before) {
                         assert!(r.is_err(), "priority {p} accepted (capturing: {capturing})");
@@ -1075,12 +1134,19 @@ impl Model {
                     let o = self.owners[i].1.clone();
                     let before = o.priority();
                     let sim = self.sim.clone();
-                    let _ = o.with_priority(prio(p), || {
+                    let r = o.with_priority(prio(p), || {
+                        let scoped = o.priority();
+                        check_switch_ordered(&sim, &o, before, scoped, "with_priority's switch");
                         if let Ok(s) = o.stream() {
                             let _ = sim.enqueue_work(s.raw(), ns);
                         }
+                        scoped
                     });
                     assert_eq!(o.priority(), before, "scoped priority not restored");
+                    // (A failed restore selects the previous stream unordered, as documented.)
+                    if let Ok(scoped) = r {
+                        check_switch_ordered(&sim, &o, scoped, before, "with_priority's restore");
+                    }
                 }
             }
             &Op::Alloc { holder, len } => {
@@ -1404,6 +1470,14 @@ impl Model {
             } => self.leak_use(buffer, holder, write, ns, drop_now),
             &Op::ManyOwners { p, extra } => self.many_owners(p, extra),
             &Op::ReentrantPoll { fut, action, at } => self.reentrant_poll(fut, action, at),
+            &Op::ReentrantReady { owner, at } => {
+                let p = pick(&self.owners, owner).map_or(0, |i| self.owners[i].1.priority());
+                let n = self.futs.len();
+                self.ready(p, false);
+                if self.futs.len() > n {
+                    self.reentrant_poll(n, futs::Reenter::Acquire, at);
+                }
+            }
             &Op::Lend { owner } => acquired = self.lend(owner),
             &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
             &Op::EndLoan(k) => self.end_loan(k),
@@ -1537,6 +1611,14 @@ impl Model {
 
     /// The invariants that hold after every step.
     pub fn check(&self, after_search: bool) {
+        // A re-entrant waker's action that panicked (the crate catches a waker's panic, so the
+        // model records it): e.g. a lock of the crate taken again under itself.
+        let panics =
+            std::mem::take(&mut *self.waker_panics.lock().unwrap_or_else(|p| p.into_inner()));
+        assert!(
+            panics.is_empty(),
+            "a re-entrant waker's action panicked: {panics:?}"
+        );
         // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
         for (_, raw) in self.held_pairs() {
@@ -1635,6 +1717,26 @@ impl Model {
     }
 
     /// Drops everything; every stream must be destroyed and every byte freed exactly once.
+    /// The crate's buffers come from its own memory pool (`MemPoolChoice::Own`, the model's
+    /// context): none from the device's default pool, which other libraries use. Checked at
+    /// teardown only, with the model's buffers still alive, after the faults were cleared and
+    /// every capture ended (the pool attribute is a call of the invalidation table, and every
+    /// driver call moves the injected faults).
+    fn check_default_pool_unused(&self) {
+        let dev = self.sim.device_get(0).expect("device 0");
+        let pool = self.sim.device_default_mem_pool(dev).expect("default pool");
+        // SAFETY: the device's default pool lives as long as the simulation.
+        let used = unsafe {
+            self.sim
+                .mem_pool_get_attribute(pool, MemPoolAttr::UsedMemCurrent)
+        };
+        assert!(
+            matches!(used, Ok(0)),
+            "allocated from the device's default memory pool, not the context's own: {used:?} \
+             bytes in use there"
+        );
+    }
+
     pub fn teardown(mut self) {
         self.sim.clear_faults();
         // Foreign captures end first: they must have survived every operation.
@@ -1646,6 +1748,9 @@ impl Model {
         self.futs.clear();
         self.guards.clear();
         self.execs.clear();
+        if self.leaked.is_empty() {
+            self.check_default_pool_unused();
+        }
         self.bufs.clear();
         self.leaked_uses.clear();
         self.owners.clear();
