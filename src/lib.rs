@@ -175,8 +175,19 @@
 //! * A host copy whose wait fails keeps its (staging) host memory with the context until the copy
 //!   is known complete; it is leaked if that never happens.
 //! * The thread's implicit owner ([`Context::stream`], [`Context::with_thread_owner`],
-//!   [`Context::set_priority`]) is refused in a host function: the driver's host-function thread
-//!   never exits, so an owner made there would keep the context forever.
+//!   [`Context::set_priority`]) is refused in a host function and on the crate's own background
+//!   threads (the completion poller, which runs wakers that may poll their task inline, and the
+//!   waker, loans and teardown threads): those threads never exit, or outlive the context, so an
+//!   owner made there would keep the context forever. An [`Owner::attach`]ed task polled there
+//!   gets its own owner's stream.
+//! * User code that the crate runs during an owner's acquisition (a waker it wakes, the last
+//!   handle of a loan it finds returned, dropped after the acquisition) may use that same owner.
+//! * A kernel that faults its context (a sticky error, [`ErrorCode::is_sticky`]) kills it: every
+//!   later call fails with the error. Pending [`Completion`]s and [`HostCopy`]s and waiters at a
+//!   cap resolve with it (the crate asks the driver every few milliseconds while they wait and
+//!   nothing moves), [`Context::health`] reports it, and what a given-up future kept (a copy's
+//!   staging memory) is leaked, as is the dead context's host memory (the driver refuses to free
+//!   it).
 //! * A forgotten (`mem::forget`) [`OwnerReady`] that is waiting at the cap keeps its place in
 //!   the key's queue forever, as an owner that is never dropped keeps its stream: the first stream
 //!   released idle while it waits is handed to it and lost with it (the key has one stream fewer
