@@ -8,40 +8,7 @@ mod common;
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode};
-use std::future::Future;
-use std::sync::{mpsc, Arc};
-use std::task::{Poll, Wake, Waker};
-use std::time::Duration;
-
-/// Polls `f` on this thread until it is ready, parking between wake-ups (each wake-up unparks).
-fn block_on<F: Future>(f: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut f = std::pin::pin!(f);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
-
-/// Runs `f` on a thread of its own and returns its result; a hang guard only (a hang is
-/// reported as such after 60 s, never decides a pass).
-fn no_hang<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("{what}: hung (no result after 60 s)"))
-}
+use std::sync::Arc;
 
 const FAULT: ErrorCode = ErrorCode::ERROR_ILLEGAL_ADDRESS;
 
@@ -51,7 +18,7 @@ const FAULT: ErrorCode = ErrorCode::ERROR_ILLEGAL_ADDRESS;
 /// sticky error; the thread waiting on them is woken (no poll loop of the test's own).
 #[test]
 fn pending_futures_resolve_with_the_contexts_sticky_error() {
-    no_hang("pending futures", || {
+    common::finishes("pending futures", || {
         let sim = Arc::new(SimDriver::new());
         let ctx = Context::primary(sim.clone(), 0).unwrap();
         let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
@@ -66,12 +33,12 @@ fn pending_futures_resolve_with_the_contexts_sticky_error() {
         }
         sim.kill_context(ctx.raw(), FAULT);
         for w in waits {
-            let e = block_on(w).unwrap_err();
+            let e = common::block_on(w).unwrap_err();
             assert_eq!(e.code(), Some(FAULT), "{e}");
             assert!(e.is_sticky());
         }
         for c in copies {
-            let e = block_on(c).unwrap_err();
+            let e = common::block_on(c).unwrap_err();
             assert_eq!(e.code(), Some(FAULT), "{e}");
         }
         assert_eq!(ctx.health().unwrap_err().code(), Some(FAULT));
@@ -82,7 +49,7 @@ fn pending_futures_resolve_with_the_contexts_sticky_error() {
 /// landed); one made after the fault is refused at once with the error.
 #[test]
 fn landed_completions_succeed_and_later_ones_fail_at_once() {
-    no_hang("landed and later completions", || {
+    common::finishes("landed and later completions", || {
         let sim = Arc::new(SimDriver::new());
         let ctx = Context::primary(sim.clone(), 0).unwrap();
         let o = ctx.owner();
@@ -90,7 +57,7 @@ fn landed_completions_succeed_and_later_ones_fail_at_once() {
         let done = s.completed().unwrap();
         sim.advance(0);
         sim.kill_context(ctx.raw(), FAULT);
-        block_on(done).expect("its work completed before the fault");
+        common::block_on(done).expect("its work completed before the fault");
         let e = s.completed().unwrap_err();
         assert_eq!(e.code(), Some(FAULT), "{e}");
         let e = DeviceBuffer::<u8>::zeroed(&s, 16).unwrap_err();
@@ -125,7 +92,7 @@ fn health_reports_the_fault() {
 /// touches nothing of a healthy context of the same simulation.
 #[test]
 fn a_dead_contexts_teardown_returns() {
-    no_hang("teardown of a dead context", || {
+    common::finishes("teardown of a dead context", || {
         let sim = Arc::new(SimDriver::with_config(
             cuda_stream_pool::driver::SimConfig {
                 devices: 2,
@@ -174,7 +141,7 @@ fn at_the_cap_behind_busy_work() -> (Arc<SimDriver>, Context) {
 /// the context dies; none hangs.
 #[test]
 fn blocked_waiters_at_the_cap_get_the_sticky_error() {
-    no_hang("blocked waiters", || {
+    common::finishes("blocked waiters", || {
         let (sim, ctx) = at_the_cap_behind_busy_work();
         let waiters: Vec<_> = (0..3)
             .map(|_| {
@@ -197,11 +164,11 @@ fn blocked_waiters_at_the_cap_get_the_sticky_error() {
 /// The same for an async waiter (`Owner::ready`): it resolves with the error.
 #[test]
 fn an_async_waiter_at_the_cap_gets_the_sticky_error() {
-    no_hang("async waiter", || {
+    common::finishes("async waiter", || {
         let (sim, ctx) = at_the_cap_behind_busy_work();
         let waiter = {
             let ctx = ctx.clone();
-            std::thread::spawn(move || block_on(ctx.owner().ready()).map(|_| ()))
+            std::thread::spawn(move || common::block_on(ctx.owner().ready()).map(|_| ()))
         };
         while ctx.stats().waits < 1 {
             std::thread::yield_now();
@@ -259,7 +226,7 @@ fn a_faulted_context_resolves_every_future_and_waiter<
         .collect();
     let waiting = {
         let ctx = ctx.clone();
-        std::thread::spawn(move || block_on(ctx.owner().ready()).map(|_| ()))
+        std::thread::spawn(move || common::block_on(ctx.owner().ready()).map(|_| ()))
     };
     while ctx.stats().waits < 3 {
         std::thread::yield_now();
@@ -274,11 +241,11 @@ fn a_faulted_context_resolves_every_future_and_waiter<
         Err(e) => assert!(e.is_sticky(), "a completion after the fault: {e}"),
     }
     for f in done {
-        let e = block_on(f).unwrap_err();
+        let e = common::block_on(f).unwrap_err();
         assert!(e.is_sticky(), "a completion: {e}");
     }
     for c in copies {
-        let e = block_on(c).unwrap_err();
+        let e = common::block_on(c).unwrap_err();
         assert!(e.is_sticky(), "a host copy: {e}");
     }
     let futures_after = t0.elapsed();
@@ -305,7 +272,7 @@ fn a_faulted_context_resolves_every_future_and_waiter<
 
 #[test]
 fn sim_a_faulted_context_resolves_every_future_and_waiter() {
-    no_hang("a faulted context", || {
+    common::finishes("a faulted context", || {
         let sim = Arc::new(SimDriver::new());
         let d: Arc<dyn Driver> = sim.clone();
         a_faulted_context_resolves_every_future_and_waiter(&d, |ctx| {
@@ -320,7 +287,7 @@ fn sim_a_faulted_context_resolves_every_future_and_waiter() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_a_faulted_context_resolves_every_future_and_waiter() {
-    no_hang("a faulted context", || {
+    common::finishes("a faulted context", || {
         let d = common::cuda();
         let raw = d.clone();
         a_faulted_context_resolves_every_future_and_waiter(&d, move |_| {

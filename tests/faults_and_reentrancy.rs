@@ -33,43 +33,11 @@ const FAULT: ErrorCode = ErrorCode::ERROR_ILLEGAL_ADDRESS;
 /// A second of simulated GPU time (never reached unless the clock is advanced).
 const LONG: u64 = 1_000_000_000;
 
-/// Runs `f` on a thread of its own; fails ("hung") when it has not finished after [`HANG`].
-fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(HANG) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("hung: {what} did not finish within {HANG:?}"),
-    }
-}
-
 fn panic_text(p: Box<dyn Any + Send>) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic".into())
-}
-
-/// Polls `f` on this thread until it is ready, parking between wake-ups.
-fn block_on<F: Future>(f: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut f = std::pin::pin!(f);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
 }
 
 fn two_devices() -> Arc<SimDriver> {
@@ -143,7 +111,7 @@ impl Drop for OnDrop {
 // keeps (leak it, as `Hub::shutdown` does: "nothing is known of the writes").
 #[test]
 fn another_devices_sticky_error_seen_through_a_healthy_contexts_driver_does_not_kill_it() {
-    let r = finishes("the completion of a healthy context", || {
+    let r = common::finishes("the completion of a healthy context", || {
         let sim = two_devices();
         let a = Context::primary(sim.clone(), 0).unwrap();
         let b = Context::primary(sim.clone(), 1).unwrap();
@@ -164,7 +132,7 @@ fn another_devices_sticky_error_seen_through_a_healthy_contexts_driver_does_not_
             std::thread::sleep(Duration::from_millis(100));
             sim2.advance(LONG);
         });
-        let r = block_on(done).map_err(|e| e.to_string());
+        let r = common::block_on(done).map_err(|e| e.to_string());
         later.join().unwrap();
         (health, r)
     });
@@ -189,7 +157,7 @@ fn a_given_up_host_copys_staging_block_is_not_reused_while_the_copy_is_pending()
     // not given up; the block of a copy given up for a real fault is never reused (leaked:
     // `Entry::finish`), which this scenario can no longer reach. Checked here: A's copies both
     // resolve with their own buffer's contents.
-    let got = finishes("host copies", || {
+    let got = common::finishes("host copies", || {
         let sim = two_devices();
         let a = Context::primary(sim.clone(), 0).unwrap();
         let b = Context::primary(sim.clone(), 1).unwrap();
@@ -206,8 +174,8 @@ fn a_given_up_host_copys_staging_block_is_not_reused_while_the_copy_is_pending()
         assert!(a.health().is_ok(), "A taken for dead by device 1's error");
         let c2 = b2.to_vec_async(&s2).unwrap();
         sim.advance(LONG);
-        let v1 = block_on(c1).map_err(|e| e.to_string());
-        let v2 = block_on(c2).map_err(|e| e.to_string());
+        let v1 = common::block_on(c1).map_err(|e| e.to_string());
+        let v2 = common::block_on(c2).map_err(|e| e.to_string());
         (v1.map(|v| v[0]), v2.map(|v| v[0]))
     });
     assert_eq!(got, (Ok(1), Ok(2)));
@@ -396,7 +364,7 @@ fn a_loan_handle_dropped_inside_an_acquisition_at_the_cap_can_use_the_thread_own
     let sim = Arc::new(SimDriver::new());
     let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
     let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
-    let (inner, outer) = finishes("an acquisition at the cap", move || {
+    let (inner, outer) = common::finishes("an acquisition at the cap", move || {
         let seen: Arc<Mutex<Option<Result<bool, String>>>> = Arc::new(Mutex::new(None));
         let a = ctx.owner();
         let s = a.stream().unwrap(); // the only stream of the key
@@ -453,7 +421,7 @@ fn context_stream_returns_the_owners_selected_stream_after_reentrant_priority_ch
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let sim2 = sim.clone();
     let (outer_prio, selected, outer_idle_while_high_busy) =
-        finishes("the acquisition", move || {
+        common::finishes("the acquisition", move || {
             let a = ctx.owner();
             let s = a.stream().unwrap();
             let c2 = ctx.clone();
@@ -509,7 +477,7 @@ fn held_a_dead_contexts_lingering_teardown_is_not_retried_by_every_flush_of_othe
         s.lend(|_| Ok(Arc::new(Foreign))).unwrap()
     }; // the owner is gone: the stream is parked, lent
     sim.kill_context(dead.raw(), FAULT);
-    finishes("the dead context's teardown", move || drop(dead));
+    common::finishes("the dead context's teardown", move || drop(dead));
     drop(h); // the borrower returns the stream
     let failing = || sim.calls().iter().filter(|c| !c.ok).count();
     // One healthy flush may tear the dead state down again (once).
@@ -668,7 +636,7 @@ fn held_health_probes_during_a_global_capture_leave_it_intact() {
         "health inside, and the global capture's end"
     );
     sim.advance(LONG);
-    block_on(done).unwrap();
+    common::block_on(done).unwrap();
     assert_clean(&sim);
 }
 
@@ -682,7 +650,7 @@ fn held_a_context_killed_with_everything_in_flight() {
     let sim = two_devices();
     let healthy = Context::primary(sim.clone(), 1).unwrap();
     let sim2 = sim.clone();
-    let r = finishes("a killed context", move || {
+    let r = common::finishes("a killed context", move || {
         let ctx = Context::primary(sim2.clone(), 0).unwrap();
         let owners: Vec<_> = (0..3).map(|_| ctx.owner()).collect();
         let mut waits = Vec::new();
@@ -723,10 +691,10 @@ fn held_a_context_killed_with_everything_in_flight() {
         sim2.kill_context(ctx.raw(), FAULT);
         let mut results = Vec::new();
         for wt in waits {
-            results.push(block_on(wt).map_err(|e| e.code()));
+            results.push(common::block_on(wt).map_err(|e| e.code()));
         }
         for c in copies {
-            results.push(block_on(c).map(|_| ()).map_err(|e| e.code()));
+            results.push(common::block_on(c).map(|_| ()).map_err(|e| e.code()));
         }
         let end = guard.end().map(|_| ()).map_err(|e| e.code());
         drop(cb);
@@ -753,7 +721,7 @@ fn held_a_context_killed_with_everything_in_flight() {
     sim.enqueue_work(s.raw(), 1_000).unwrap();
     let c = b.to_vec_async(&s).unwrap();
     sim.advance(1_000);
-    assert_eq!(block_on(c).unwrap(), vec![1, 2, 3]);
+    assert_eq!(common::block_on(c).unwrap(), vec![1, 2, 3]);
     assert!(healthy.health().is_ok());
     assert!(sim.misuse().is_empty(), "misuse: {:?}", sim.misuse());
 }
@@ -807,7 +775,7 @@ fn held_every_operation_on_a_dead_context_returns() {
     let s = held.stream().unwrap();
     sim.kill_context(ctx.raw(), FAULT);
     let c2 = ctx.clone();
-    let r = finishes("operations on a dead context", move || {
+    let r = common::finishes("operations on a dead context", move || {
         let ctx = c2;
         catch_unwind(AssertUnwindSafe(|| {
             let o = ctx.owner();
@@ -830,7 +798,7 @@ fn held_every_operation_on_a_dead_context_returns() {
     let _ = held.set_priority(Priority::High);
     drop(s);
     drop(held);
-    finishes("the teardown", move || drop(ctx));
+    common::finishes("the teardown", move || drop(ctx));
     assert!(sim.misuse().is_empty(), "misuse: {:?}", sim.misuse());
 }
 
@@ -844,7 +812,7 @@ fn held_reentrant_acquisitions_of_the_same_key_for_the_same_owner() {
     let sim = Arc::new(SimDriver::new());
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let c = ctx.clone();
-    let (same, in_use_during, in_use_after) = finishes("the acquisition", move || {
+    let (same, in_use_during, in_use_after) = common::finishes("the acquisition", move || {
         let a = c.owner();
         let s = a.stream().unwrap();
         let c2 = c.clone();
@@ -892,7 +860,7 @@ fn held_reentrant_acquisitions_of_the_same_key_for_the_same_owner() {
 fn held_probes_racing_teardowns() {
     let sim = Arc::new(SimDriver::new());
     let sim2 = sim.clone();
-    finishes("teardowns with probes", move || {
+    common::finishes("teardowns with probes", move || {
         for i in 0..20 {
             let ctx = Context::primary(sim2.clone(), 0).unwrap();
             let o = ctx.owner();
@@ -929,7 +897,7 @@ fn held_probes_racing_teardowns() {
 fn held_a_dead_context_does_not_affect_a_healthy_one_on_another_device() {
     let sim = two_devices();
     let sim2 = sim.clone();
-    finishes("two devices", move || {
+    common::finishes("two devices", move || {
         let dead = Context::primary(sim2.clone(), 0).unwrap();
         let healthy = Context::primary(sim2.clone(), 1).unwrap();
         let od = dead.owner();
@@ -943,11 +911,11 @@ fn held_a_dead_context_does_not_affect_a_healthy_one_on_another_device() {
         let dh = sh.completed().unwrap();
         let ch = b.to_vec_async(&sh).unwrap();
         sim2.kill_context(dead.raw(), FAULT);
-        assert_eq!(block_on(dd).unwrap_err().code(), Some(FAULT));
+        assert_eq!(common::block_on(dd).unwrap_err().code(), Some(FAULT));
         std::thread::sleep(Duration::from_millis(30)); // the healthy poller probes meanwhile
         sim2.advance(50_000_000);
-        block_on(dh).unwrap();
-        assert_eq!(block_on(ch).unwrap(), vec![5u32; 32]);
+        common::block_on(dh).unwrap();
+        assert_eq!(common::block_on(ch).unwrap(), vec![5u32; 32]);
         assert!(healthy.health().is_ok());
         drop(sd);
         drop(od);
@@ -969,7 +937,7 @@ fn held_set_priority_racing_reentrant_priority_switches_on_the_same_owner() {
     let sim = Arc::new(SimDriver::new());
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let c = ctx.clone();
-    let r = finishes("the priority switch", move || {
+    let r = common::finishes("the priority switch", move || {
         c.stream().unwrap(); // the thread's owner holds a Normal stream
                              // A parked, returned loan of key High: the switch's acquisition flushes it.
         let a = c.owner();

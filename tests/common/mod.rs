@@ -201,3 +201,38 @@ pub fn await_teardown(sim: &SimDriver, before: usize) {
         std::thread::yield_now();
     }
 }
+
+/// Polls `f` on this thread until it is ready, parking between wake-ups (each wake-up unparks).
+#[allow(dead_code)]
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// Runs `f` on a thread of its own and returns its result (a panic in it continues here); a
+/// hang guard only: reports "hung" when it has not finished after 60 s, never decides a pass.
+#[allow(dead_code)]
+pub fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("hung: {what} did not finish within 60 s"),
+    }
+}
