@@ -34,8 +34,8 @@ TOML
 # The packaged copies build in their own target directory (a fresh build, like a user's).
 export CARGO_TARGET_DIR="$top/target/package-check"
 (cd "$tmp/cuda-stream-pool-sys-0.1.0" && cargo test)
-# The kernel-launching tests need the `kernels` feature, which the repository enables for them
+# The kernel-launching and half-precision tests need the `kernels` and `half` features, which the repository enables for them
 # through a self dev-dependency that packaging strips.
-(cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels,model-hooks)
+(cd "$tmp/cuda-stream-pool-0.1.0" && cargo test --features kernels,model-hooks,half)
 CARGO_TARGET_DIR="$top/target/package-verify" cargo publish --workspace "${excl[@]}" --dry-run --allow-dirty
 echo "package-check: OK"
