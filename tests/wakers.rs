@@ -120,6 +120,8 @@ struct Inline {
     /// Wake-ups that only count although `inline` is set.
     skip: AtomicUsize,
     wakes: AtomicUsize,
+    /// Set by a wake-up whose inline poll found the future being polled elsewhere.
+    again: AtomicBool,
     got: Mutex<Option<bool>>,
 }
 
@@ -130,24 +132,37 @@ impl Inline {
             inline: AtomicBool::new(false),
             skip: AtomicUsize::new(0),
             wakes: AtomicUsize::new(0),
+            again: AtomicBool::new(false),
             got: Mutex::new(None),
         })
     }
 
     fn poll(self: &Arc<Self>) -> bool {
-        let Ok(mut g) = self.fut.try_lock() else {
-            return false;
-        };
-        let Some(f) = g.as_mut() else {
-            return true;
-        };
-        let w = Waker::from(self.clone());
-        match f.as_mut().poll(&mut std::task::Context::from_waker(&w)) {
-            Poll::Pending => false,
-            Poll::Ready(r) => {
-                *self.got.lock().unwrap() = Some(r.is_ok());
-                *g = None;
-                true
+        loop {
+            let Ok(mut g) = self.fut.try_lock() else {
+                // Being polled on another thread: that poll polls again once it lets go (a
+                // wake-up that arrives during a poll is one the executor must act on).
+                self.again.store(true, Ordering::SeqCst);
+                return false;
+            };
+            let Some(f) = g.as_mut() else {
+                return true;
+            };
+            self.again.store(false, Ordering::SeqCst);
+            let w = Waker::from(self.clone());
+            match f.as_mut().poll(&mut std::task::Context::from_waker(&w)) {
+                Poll::Pending => {
+                    drop(g);
+                    // A wake-up that found the future locked meanwhile: poll again.
+                    if !self.again.load(Ordering::SeqCst) {
+                        return false;
+                    }
+                }
+                Poll::Ready(r) => {
+                    *self.got.lock().unwrap() = Some(r.is_ok());
+                    *g = None;
+                    return true;
+                }
             }
         }
     }
