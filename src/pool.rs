@@ -580,9 +580,10 @@ struct Queue {
 /// retired stream: no driver query in a loop), a destroy, a failed creation. A notification is
 /// counted under the queue's lock, and a waiter parks only after checking the count under that
 /// lock, so none is lost between a failed attempt and parking. A waiter leaving the queue while
-/// first passes the notifications it did not use to the next one (served: all but one; failed or
-/// dropped, [`Ticket`]'s destructor: all), so none is lost for the others, and a waiter is woken
-/// only when something came back while it was first.
+/// first passes the notifications it did not use to the next one ([`Leaving`]: served by an
+/// attempt, all but one; served from its mailbox, all it had not acted on; failed or dropped,
+/// [`Ticket`]'s destructor, all), so none is lost for the others, and a waiter is woken only when
+/// something came back while it was first.
 pub(crate) struct Gate {
     /// The cap (`usize::MAX`: none).
     cap: usize,
@@ -706,7 +707,7 @@ impl Gate {
         Ticket {
             gate: self.clone(),
             id,
-            served: false,
+            leaving: Leaving::Unserved,
             armed: false,
         }
     }
@@ -767,6 +768,10 @@ impl Gate {
                 }
                 Some(pos) => {
                     let w = &mut q.list[pos];
+                    // A turn comes first or after a failed attempt: what that attempt acted on
+                    // is used up (it found nothing), so it is not passed on if this waiter is
+                    // then served from its mailbox or leaves.
+                    w.consumed = 0;
                     if pos == 0 && w.notified > 0 {
                         w.consumed = std::mem::take(&mut w.notified);
                         unused = Some(wake);
@@ -785,9 +790,9 @@ impl Gate {
         attempt
     }
 
-    /// Leaves the queue; `served` when the waiter got a stream (which used one notification).
-    /// The leaving waiter's waker is dropped, and the others are woken, after the queue's lock.
-    fn leave(&self, id: u64, served: bool) {
+    /// Leaves the queue (see [`Leaving`] for what is passed on). The leaving waiter's waker is
+    /// dropped, and the others are woken, after the queue's lock.
+    fn leave(&self, id: u64, how: Leaving) {
         let mut wakes: SmallVec<[Wake; 2]> = SmallVec::new();
         let mut handed_to = None;
         let left;
@@ -800,7 +805,11 @@ impl Gate {
                 return;
             };
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            let pass = (w.notified + w.consumed).saturating_sub(u32::from(served));
+            let pass = match how {
+                Leaving::Attempt => (w.notified + w.consumed).saturating_sub(1),
+                Leaving::Mailbox => w.notified,
+                Leaving::Unserved => w.notified + w.consumed,
+            };
             let handed = w.handed.take();
             left = w;
             if let Some((slot, gen)) = handed {
@@ -836,6 +845,20 @@ impl Gate {
     }
 }
 
+/// How a waiter leaves the gate's queue, which decides the notifications it passes on.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Leaving {
+    /// Served by its attempt, which used one of the notifications it acted on.
+    Attempt,
+    /// Served by the stream a release put in its mailbox ([`Gate::offer`]): that used no
+    /// notification. Those not acted on yet are passed on (each may stand for a stream in the
+    /// pool); counting it as an attempt's once left the next waiter asleep while an idle stream
+    /// lay in the pool (the fuzzer's finding `not-woken-at-cap-efdd1817`).
+    Mailbox,
+    /// Without a stream (cancelled, or failed): everything, an attempt in progress included.
+    Unserved,
+}
+
 /// A creation counted by [`Gate::reserve`]: the stream is the `nth` of the key alive (or being
 /// created) when it was reserved.
 #[must_use]
@@ -848,22 +871,27 @@ struct Reserved {
 pub(crate) struct Ticket {
     gate: Arc<Gate>,
     id: u64,
-    served: bool,
+    leaving: Leaving,
     /// Set once this waiter armed wake-ups on busy retired streams: it then waits for GPU work,
     /// which a faulted context never finishes (see [`FAULT_POLL`]).
     armed: bool,
 }
 
 impl Ticket {
-    /// Leaves the queue with a stream.
+    /// Leaves the queue with a stream found by an attempt.
     fn served(mut self) {
-        self.served = true;
+        self.leaving = Leaving::Attempt;
+    }
+
+    /// Leaves the queue with the stream a release handed to it.
+    fn served_from_mailbox(mut self) {
+        self.leaving = Leaving::Mailbox;
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.gate.leave(self.id, self.served);
+        self.gate.leave(self.id, self.leaving);
     }
 }
 
@@ -963,7 +991,7 @@ impl Pool {
         loop {
             if let Some(found) = g.take_handed(ticket.id) {
                 self.home(home_index()).hits.fetch_add(1, Ordering::Release);
-                ticket.served();
+                ticket.served_from_mailbox();
                 return Ok(found);
             }
             let turn = g.turn(
@@ -1027,7 +1055,7 @@ impl Pool {
             if let Some(found) = g.take_handed(id) {
                 self.home(home_index()).hits.fetch_add(1, Ordering::Release);
                 if let Some(t) = ticket.take() {
-                    t.served();
+                    t.served_from_mailbox();
                 }
                 return Poll::Ready(Ok(found));
             }

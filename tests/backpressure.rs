@@ -523,3 +523,44 @@ fn a_handed_stream_is_never_lost() {
     drop(again);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+/// A waiter served from its mailbox (a stream a release handed to it) passes on the
+/// notifications it had not acted on: each stands for a stream that came back to the pool.
+/// Pins the fuzzer's finding `not-woken-at-cap-efdd1817` (campaign 7): the mailbox path counted
+/// as an attempt that used one, so the next waiter was never woken while an idle stream lay in
+/// the pool.
+#[test]
+fn a_waiter_served_from_its_mailbox_passes_on_what_came_back() {
+    let (sim, ctx) = capped(3);
+    let (a, b, c) = (ctx.owner(), ctx.owner(), ctx.owner());
+    let busy = [a.stream().unwrap().raw(), b.stream().unwrap().raw()];
+    c.stream().unwrap();
+    let mut w = Waiters::new(&ctx, 3);
+    for i in 0..3 {
+        assert!(w.poll(i).is_none());
+    }
+    for s in busy {
+        sim.enqueue_work(s, 1_000).unwrap();
+    }
+    drop((a, b)); // busy: back to the pool, waiter 0 notified twice
+    assert_eq!(w.woken(), [0, 0]);
+    sim.advance(1_000); // both idle now
+    let o0 = w.poll(0).expect("served by one of them");
+    assert_eq!(
+        w.woken(),
+        [1],
+        "waiter 1 inherits the other one's notification"
+    );
+    drop(c); // idle: handed to waiter 1's mailbox (waiter 1 not polled since)
+    assert_eq!(w.woken(), [1]);
+    let o1 = w.poll(1).expect("served from its mailbox");
+    assert_eq!(
+        w.woken(),
+        [2],
+        "the next waiter is woken: an idle stream is still in the pool"
+    );
+    let o2 = w.poll(2).expect("served by the stream in the pool");
+    assert!(busy.contains(&o2.stream().unwrap().raw()));
+    drop((o0, o1, o2));
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
