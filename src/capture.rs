@@ -127,7 +127,7 @@ impl<'a> StreamRef<'a> {
             self.ctx
                 .inner
                 .driver
-                .stream_begin_capture(self.slot.raw, mode)
+                .stream_begin_capture(self.slot.enqueue(), mode)
         }?;
         let stale = st.begin_capture();
         drop(st);
@@ -185,14 +185,14 @@ impl<'a> CaptureGuard<'a> {
                 .ctx
                 .inner
                 .driver
-                .stream_capture_info(self.stream.slot.raw)
+                .stream_capture_info(self.stream.slot.observe())
         }
     }
 
     fn finish(&mut self) -> (Result<driver::Graph>, Vec<CapturedUse>) {
         self.done = true;
         let ci = &self.stream.ctx.inner;
-        let raw = self.stream.slot.raw;
+        let raw = self.stream.slot.observe();
         // SAFETY (both closures): the stream is held by the holder the guard borrows: live.
         let status =
             || unsafe { ci.driver.stream_is_capturing(raw) }.map(|s| s != CaptureStatus::None);
@@ -465,7 +465,7 @@ impl GraphExec {
                 self.ctx
                     .inner
                     .driver
-                    .graph_launch(self.raw, stream.slot.raw)
+                    .graph_launch(self.raw, stream.slot.enqueue())
             }
         })
     }
@@ -499,7 +499,7 @@ impl GraphExec {
             self.ctx
                 .inner
                 .driver
-                .graph_upload(self.raw, stream.slot.raw)
+                .graph_upload(self.raw, stream.slot.enqueue())
         }
     }
 }

@@ -20,6 +20,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::hub::{Entry, Staging};
 use crate::memory::{DeviceBuffer, DeviceCopy};
+use crate::pool::Slot;
 use crate::stream::StreamRef;
 use std::future::Future;
 use std::pin::Pin;
@@ -38,6 +39,9 @@ use std::task::{Context as TaskCx, Poll};
 pub struct Completion {
     ctx: Context,
     entry: Arc<Entry>,
+    /// The stream, the generation and the number of the marker's enqueue: once the marker
+    /// landed, the stream's work up to it has completed (see `Slot::completed_through`).
+    marker: Option<(Arc<Slot>, u64, u64)>,
 }
 
 impl std::fmt::Debug for Completion {
@@ -63,8 +67,14 @@ impl Completion {
 impl Future for Completion {
     type Output = Result<()>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
-        self.entry.poll(cx.waker())
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
+        let r = self.entry.poll(cx.waker());
+        if let Poll::Ready(Ok(())) = r {
+            if let Some((slot, gen, n)) = self.marker.take() {
+                slot.completed_through(gen, n);
+            }
+        }
+        r
     }
 }
 
@@ -95,21 +105,24 @@ impl<'a> StreamRef<'a> {
         let hub = self.ctx.inner.hub();
         // The slab's host allocation runs relaxed, the context current: the device rules.
         let _scope = self.ctx.inner.scope();
+        let mut n = 0;
         let entry = hub.completion(|dev, seq| {
+            // Numbered and enqueued under the stream's lock, as the enqueues of other threads
+            // (frees, event records of a buffer's ordering) are: every enqueue numbered before
+            // the marker is before it on the stream too.
+            let _st = self.slot.lock();
+            let raw;
+            (raw, n) = self.slot.enqueue_counted();
             // SAFETY: the stream is held by the holder this reference borrows (live) and not
             // capturing (checked; only this thread could begin one); `dev` is the device address
             // of an 8-byte aligned slot of host-mapped memory of the hub, which stays mapped
             // until the write has landed, and no one else writes it while the slot is taken.
-            unsafe {
-                self.ctx
-                    .inner
-                    .driver
-                    .stream_write_value64(self.slot.raw, dev, seq)
-            }
+            unsafe { self.ctx.inner.driver.stream_write_value64(raw, dev, seq) }
         })?;
         Ok(Completion {
             ctx: self.ctx.clone(),
             entry,
+            marker: Some((self.slot.clone(), self.gen, n)),
         })
     }
 }

@@ -700,7 +700,7 @@ impl Context {
     /// assert_eq!(ctx.live_streams(), 2);             // the owner's and the disposal stream
     /// ```
     pub fn disposal_stream(&self) -> driver::Stream {
-        self.inner.disposal.raw
+        self.inner.disposal.observe()
     }
 
     /// The memory pool buffers allocate from: the crate's own (the default,
@@ -1250,7 +1250,7 @@ impl CtxInner {
         // SAFETY: the caller keeps the stream live; `cuStreamIsCapturing` is allowed in every
         // capture mode and invalidates nothing.
         !matches!(
-            unsafe { self.driver.stream_is_capturing(slot.raw) },
+            unsafe { self.driver.stream_is_capturing(slot.observe()) },
             Ok(driver::CaptureStatus::None)
         )
     }
@@ -1271,7 +1271,7 @@ impl CtxInner {
             return (LoanEnd::Stuck, handle);
         }
         // SAFETY: the stream is live: its holder is gone but nothing destroyed it.
-        let end = match unsafe { self.driver.stream_is_capturing(slot.raw) } {
+        let end = match unsafe { self.driver.stream_is_capturing(slot.observe()) } {
             Ok(driver::CaptureStatus::None) => {
                 slot.loan_settled();
                 LoanEnd::Returned
@@ -1306,9 +1306,9 @@ impl CtxInner {
         // SAFETY: live and not capturing (above); relaxed mode: the device rules.
         unsafe {
             if wait {
-                self.driver.stream_synchronize(slot.raw).is_ok()
+                self.driver.stream_synchronize(slot.observe()).is_ok()
             } else {
-                self.driver.stream_query(slot.raw) == Ok(true)
+                self.driver.stream_query(slot.observe()) == Ok(true)
             }
         }
     }
@@ -1349,7 +1349,7 @@ impl CtxInner {
     /// outside record invalidates the capture).
     pub(crate) unsafe fn order(&self, before: &Slot, after: &Slot) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.order_raw(before.raw, after.raw) }
+        unsafe { self.order_raw(before.enqueue(), after.enqueue()) }
     }
 
     /// `cuMemFreeAsync` (in relaxed mode, the context current: the device rules).
@@ -1358,7 +1358,7 @@ impl CtxInner {
     /// As [`Driver::mem_free_async`].
     unsafe fn free_on(&self, ptr: DevicePtr, stream: &Slot) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.driver.mem_free_async(ptr, stream.raw) }
+        unsafe { self.driver.mem_free_async(ptr, stream.enqueue()) }
     }
 
     /// Frees `ptr`, whose last use was generation `gen` of `slot`, ordered after that use; in
@@ -1579,7 +1579,7 @@ impl Health {
             if !st.destroyed {
                 // SAFETY: the disposal stream is live (not destroyed, under its lock) and never
                 // captured.
-                if let Err(e) = unsafe { self.rules.probe_sticky(self.disposal.raw) } {
+                if let Err(e) = unsafe { self.rules.probe_sticky(self.disposal.observe()) } {
                     if e.is_sticky() {
                         let _ = self.fault.set(e);
                     }
@@ -1756,11 +1756,12 @@ impl CtxInner {
         {
             let mut st = self.disposal.lock();
             // SAFETY: the disposal stream lives until just below; never captured.
-            if driver::tries(|| unsafe { self.driver.stream_synchronize(self.disposal.raw) }) {
+            if driver::tries(|| unsafe { self.driver.stream_synchronize(self.disposal.observe()) })
+            {
                 st.destroy();
                 // SAFETY: idle, and nothing can enqueue on it any more (the state is going);
                 // a failed destroy had no effect, so it is tried again.
-                driver::tries(|| unsafe { self.driver.stream_destroy(self.disposal.raw) });
+                driver::tries(|| unsafe { self.driver.stream_destroy(self.disposal.observe()) });
             }
         }
         // Modules: unloaded only when every stream of the context was drained (their kernels

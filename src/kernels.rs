@@ -144,7 +144,7 @@ impl Kernels {
         // capture keeps the buffers).
         unsafe {
             ci.driver
-                .launch_kernel(f, g, [BLOCK, 1, 1], 0, s.raw(), params)
+                .launch_kernel(f, g, [BLOCK, 1, 1], 0, s.enqueue_handle(), params)
         }
     }
 

@@ -235,7 +235,7 @@ impl BufCore {
                     // must have completed already.
                     // SAFETY: the previous stream is live (generation current, under its lock);
                     // the query runs in relaxed mode (the device rules).
-                    if !unsafe { ci.driver.stream_query(prev.raw) }? {
+                    if !unsafe { ci.driver.stream_query(prev.observe()) }? {
                         return Err(Error::CaptureInProgress(
                             "the buffer's last use, on another stream, may still be running: a \
                              capture cannot wait for it; synchronize that stream (or use the \
@@ -382,9 +382,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // after its last use.
         let ptr = unsafe {
             if ci.own_pool {
-                d.mem_alloc_from_pool_async(bytes, ci.mem_pool, stream.slot.raw)
+                d.mem_alloc_from_pool_async(bytes, ci.mem_pool, stream.slot.enqueue())
             } else {
-                d.mem_alloc_async(bytes, stream.slot.raw)
+                d.mem_alloc_async(bytes, stream.slot.enqueue())
             }
         }?;
         Ok(DeviceBuffer {
@@ -592,7 +592,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 u.ptr(),
                 data.as_ptr(),
                 data.len(),
-                stream.slot.raw,
+                stream.slot.enqueue(),
             )
         }
     }
@@ -618,7 +618,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 u.ptr(),
                 word,
                 self.core.bytes / 4,
-                stream.slot.raw,
+                stream.slot.enqueue(),
             )
         }
     }
@@ -741,7 +741,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 dst.as_mut_ptr() as *mut u8,
                 u.ptr(),
                 std::mem::size_of_val(dst),
-                stream.slot.raw,
+                stream.slot.enqueue(),
             )
         }
     }
@@ -837,7 +837,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         }
         let last = self.core.last.lock();
         let live = last.slot.lock().is_live(last.gen);
-        Some((last.slot.raw, last.gen, live))
+        Some((last.slot.observe(), last.gen, live))
     }
 }
 

@@ -63,9 +63,15 @@ const FAULT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// A stream known to the crate: pooled, owned, or the disposal stream. Identified by this object,
 /// never by its handle value (handles are reused after destroy).
+///
+/// Its handle is reached through methods that say what the caller does with it:
+/// [`Slot::observe`] for calls that enqueue nothing (queries, synchronizations, capture
+/// queries, destroy), [`Slot::enqueue`] for the crate's own enqueues, [`Slot::expose`] for a
+/// handle that leaves the crate. That lets the slot know when nothing was enqueued since it
+/// was last seen idle ([`Slot::known_idle`]): then a hand-over needs no driver query.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    pub(crate) raw: Stream,
+    raw: Stream,
     pub(crate) priority: i32,
     pub(crate) flags: u32,
     state: Mutex<SlotState>,
@@ -81,6 +87,16 @@ pub(crate) struct Slot {
     /// The wake-up host function of the pool's gate on the (retired) stream: [`UNARMED`],
     /// [`ARMED`] (enqueued: one per stream, however many acquisitions wait) or [`RAN`].
     armed: AtomicU8,
+    /// Enqueues through [`Slot::enqueue`] and handles given out by [`Slot::expose`] so far
+    /// (each raises it before the handle is used).
+    enqueued: AtomicU64,
+    /// `n + 1` when everything enqueued up to the `n`th enqueue is known to have completed (0:
+    /// nothing known): the stream is idle while `enqueued` is still `n`.
+    quiet: AtomicU64,
+    /// The latest generation whose handle left the crate ([`Slot::expose`]): work may be
+    /// enqueued through it unseen, so no completion seen in that generation makes the stream
+    /// known idle (only a query does).
+    exposed: AtomicU64,
 }
 
 /// No wake-up host function is pending on the stream.
@@ -219,7 +235,67 @@ impl Slot {
             lent: AtomicBool::new(false),
             lending: AtomicBool::new(false),
             armed: AtomicU8::new(UNARMED),
+            enqueued: AtomicU64::new(0),
+            // Just created: idle.
+            quiet: AtomicU64::new(1),
+            exposed: AtomicU64::new(0),
         }
+    }
+
+    /// The handle, for a driver call that enqueues nothing on the stream (a query, a
+    /// synchronization, a capture query, the destroy).
+    pub(crate) fn observe(&self) -> Stream {
+        self.raw
+    }
+
+    /// The handle, for an enqueue by the crate (counted before it is made). A thread other
+    /// than the holder's counts and makes its enqueue under the stream's lock (see
+    /// [`Slot::enqueued_settled`]).
+    pub(crate) fn enqueue(&self) -> Stream {
+        self.enqueue_counted().0
+    }
+
+    /// [`Slot::enqueue`], with the enqueue's number (for [`Slot::completed_through`] once it
+    /// is seen completed).
+    pub(crate) fn enqueue_counted(&self) -> (Stream, u64) {
+        (self.raw, self.enqueued.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+
+    /// The handle, leaving the crate in generation `gen` (a `StreamRef::raw`, a loan): from
+    /// now on only a query tells that generation's work completed.
+    pub(crate) fn expose(&self, gen: u64) -> Stream {
+        self.exposed.fetch_max(gen, Ordering::SeqCst);
+        self.enqueued.fetch_add(1, Ordering::SeqCst);
+        self.raw
+    }
+
+    /// How many enqueues and exposures were counted so far (see [`Slot::enqueue`]), for a
+    /// caller that holds the stream's lock.
+    fn enqueued(&self) -> u64 {
+        self.enqueued.load(Ordering::SeqCst)
+    }
+
+    /// [`Slot::enqueued`] under the stream's lock: other threads number and make their
+    /// enqueues under it (frees, event records of a buffer's ordering), so every enqueue counted
+    /// in the answer has reached the driver.
+    pub(crate) fn enqueued_settled(&self) -> u64 {
+        let _st = self.lock();
+        self.enqueued()
+    }
+
+    /// Everything enqueued up to [`Slot::enqueued`]'s reading `n`, taken in generation `gen`,
+    /// has completed (a synchronization that began after that reading returned, or a marker
+    /// enqueued as the `n`th landed). Ignored if the handle left the crate in `gen`.
+    pub(crate) fn completed_through(&self, gen: u64, n: u64) {
+        if self.exposed.load(Ordering::SeqCst) < gen {
+            self.quiet.fetch_max(n + 1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the stream is known idle without asking the driver: nothing was enqueued or
+    /// exposed since its work was last seen completed.
+    fn known_idle(&self) -> bool {
+        self.quiet.load(Ordering::SeqCst) == self.enqueued.load(Ordering::SeqCst) + 1
     }
 
     /// The handle lent to another crate for this stream: the existing one, or `make()`'s,
@@ -464,9 +540,25 @@ fn shard_count() -> usize {
 /// Whether a retired stream can be handed out or destroyed: not captured by a leaked guard, and
 /// its work completed. A failed query (a sticky error) counts as busy: never a guess.
 fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+    if st.capturing || st.destroyed {
+        return false;
+    }
+    // Known idle: no driver call (nothing was enqueued or exposed since the crate saw the
+    // stream's work complete).
+    if slot.known_idle() {
+        return true;
+    }
+    // Read before the query: what is enqueued after it is not covered by its answer.
+    let n = slot.enqueued();
     // SAFETY: the slot's stream is not destroyed (`destroyed` is false under the lock we hold,
     // and streams are destroyed only under it).
-    !st.capturing && !st.destroyed && unsafe { driver.stream_query(slot.raw) }.unwrap_or(false)
+    let idle = unsafe { driver.stream_query(slot.raw) }.unwrap_or(false);
+    if idle {
+        // Nobody holds the stream (it is retired, or being released): the crate's frees on it
+        // take the lock we hold, and a handle given out is no longer valid.
+        slot.quiet.fetch_max(n + 1, Ordering::SeqCst);
+    }
+    idle
 }
 
 /// A retired stream that reports busy although its wake-up host function has run: the work
@@ -809,6 +901,7 @@ impl Gate {
                 Leaving::Attempt => (w.notified + w.consumed).saturating_sub(1),
                 Leaving::Mailbox => w.notified,
                 Leaving::Unserved => w.notified + w.consumed,
+                Leaving::Failed => (w.notified + w.consumed).max(1),
             };
             let handed = w.handed.take();
             left = w;
@@ -855,8 +948,12 @@ enum Leaving {
     /// pool); counting it as an attempt's once left the next waiter asleep while an idle stream
     /// lay in the pool (the fuzzer's finding `not-woken-at-cap-efdd1817`).
     Mailbox,
-    /// Without a stream (cancelled, or failed): everything, an attempt in progress included.
+    /// Cancelled (dropped without a stream): everything, an attempt in progress included.
     Unserved,
+    /// Failed with an error (the context died, a driver call failed): everything, and at least
+    /// one, so that the next waiter attempts and meets the error itself (or succeeds) instead of
+    /// sleeping on a queue that nothing will notify again.
+    Failed,
 }
 
 /// A creation counted by [`Gate::reserve`]: the stream is the `nth` of the key alive (or being
@@ -886,6 +983,11 @@ impl Ticket {
     /// Leaves the queue with the stream a release handed to it.
     fn served_from_mailbox(mut self) {
         self.leaving = Leaving::Mailbox;
+    }
+
+    /// Leaves the queue with an error.
+    fn failed(mut self) {
+        self.leaving = Leaving::Failed;
     }
 }
 
@@ -1002,6 +1104,7 @@ impl Pool {
             if !turn {
                 if ticket.armed {
                     if let Some(e) = fault() {
+                        ticket.failed();
                         return Err(e);
                     }
                 }
@@ -1017,12 +1120,25 @@ impl Pool {
                 }
                 continue;
             }
-            if let Some(found) = self.attempt(driver, false)? {
-                ticket.served();
-                return Ok(found);
+            match self.attempt(driver, false) {
+                Ok(Some(found)) => {
+                    ticket.served();
+                    return Ok(found);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    ticket.failed();
+                    return Err(e);
+                }
             }
             // Waiting for GPU work from now on if a wake-up is armed on a busy stream.
-            ticket.armed |= self.arm(driver)?;
+            match self.arm(driver) {
+                Ok(armed) => ticket.armed |= armed,
+                Err(e) => {
+                    ticket.failed();
+                    return Err(e);
+                }
+            }
         }
     }
 
@@ -1071,7 +1187,9 @@ impl Pool {
                 if armed {
                     // As in `acquire`: a dead context never runs the armed wake-ups.
                     if let Some(e) = fault() {
-                        *ticket = None;
+                        if let Some(t) = ticket.take() {
+                            t.failed();
+                        }
                         return Poll::Ready(Err(e));
                     }
                 }
@@ -1103,7 +1221,9 @@ impl Pool {
                     return Poll::Ready(Ok(found));
                 }
                 Err(e) => {
-                    *ticket = None;
+                    if let Some(t) = ticket.take() {
+                        t.failed();
+                    }
                     return Poll::Ready(Err(e));
                 }
             }
@@ -1193,7 +1313,7 @@ impl Pool {
                 // SAFETY: the stream is live (not destroyed, under its lock), held by nobody
                 // (retired) and not captured by a guard of the crate; the function calls no
                 // driver function.
-                if let Err(e) = unsafe { driver.launch_host_func(slot.raw, f) } {
+                if let Err(e) = unsafe { driver.launch_host_func(slot.enqueue(), f) } {
                     slot.armed.store(UNARMED, Ordering::Release);
                     return Err(e);
                 }

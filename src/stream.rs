@@ -65,7 +65,7 @@ pub struct StreamRef<'a> {
 impl std::fmt::Debug for StreamRef<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamRef")
-            .field("raw", &self.slot.raw)
+            .field("raw", &self.slot.observe())
             .field("priority", &self.slot.priority)
             .field("generation", &self.gen)
             .finish()
@@ -105,7 +105,14 @@ impl<'a> StreamRef<'a> {
     /// assert_eq!(p, s.priority());
     /// ```
     pub fn raw(&self) -> driver::Stream {
-        self.slot.raw
+        // The handle leaves the crate: work enqueued through it is unseen, so from now on only
+        // a query tells whether this generation's work completed.
+        self.slot.expose(self.gen)
+    }
+
+    /// The handle, for an enqueue by the crate itself (counted: see `Slot::enqueue`).
+    pub(crate) fn enqueue_handle(&self) -> driver::Stream {
+        self.slot.enqueue()
     }
 
     /// Lends the stream to another crate as a shared handle of that crate's type, made by `wrap`
@@ -173,7 +180,7 @@ impl<'a> StreamRef<'a> {
         &self,
         wrap: impl FnOnce(driver::Stream) -> Result<Arc<H>>,
     ) -> Result<Arc<H>> {
-        let raw = self.slot.raw;
+        let raw = self.slot.expose(self.gen);
         let loan = self
             .slot
             .lend(|| wrap(raw).map(|h| h as crate::pool::Loan))?;
@@ -313,9 +320,15 @@ impl<'a> StreamRef<'a> {
     pub fn synchronize(&self) -> Result<()> {
         self.not_capturing("synchronizing")?;
         let d = &*self.ctx.inner.driver;
+        // Read before the synchronization: what it covers.
+        let n = self.slot.enqueued_settled();
         // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
         // mode: the device rules.
-        unsafe { d.stream_synchronize(self.slot.raw) }
+        unsafe { d.stream_synchronize(self.slot.observe()) }?;
+        // Known idle from now until the next enqueue: the owner's release hands it on without
+        // a query (unless its handle left the crate in this generation).
+        self.slot.completed_through(self.gen, n);
+        Ok(())
     }
 
     /// Whether the stream's work has completed. Runs in relaxed capture mode.
@@ -335,7 +348,7 @@ impl<'a> StreamRef<'a> {
         let d = &*self.ctx.inner.driver;
         // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
         // mode: the device rules.
-        unsafe { d.stream_query(self.slot.raw) }
+        unsafe { d.stream_query(self.slot.observe()) }
     }
 
     /// Orders later work on this stream after the work enqueued so far on `other` (event record
@@ -394,7 +407,12 @@ impl<'a> StreamRef<'a> {
         let f: HostFn = host_fn(f);
         // SAFETY: the stream is held (live) and not capturing; only this thread, which holds
         // it, could begin a capture.
-        unsafe { self.ctx.inner.driver.launch_host_func(self.slot.raw, f) }
+        unsafe {
+            self.ctx
+                .inner
+                .driver
+                .launch_host_func(self.slot.enqueue(), f)
+        }
     }
 
     /// Whether the stream is being captured (`cuStreamIsCapturing`; allowed during capture).
@@ -416,7 +434,12 @@ impl<'a> StreamRef<'a> {
     /// The driver's error.
     pub fn is_capturing(&self) -> Result<bool> {
         // SAFETY: the holder that this reference borrows holds the stream: it is live.
-        let st = unsafe { self.ctx.inner.driver.stream_is_capturing(self.slot.raw) }?;
+        let st = unsafe {
+            self.ctx
+                .inner
+                .driver
+                .stream_is_capturing(self.slot.observe())
+        }?;
         Ok(st != driver::CaptureStatus::None)
     }
 }

@@ -313,3 +313,21 @@ fn gpu_a_faulted_context_resolves_every_future_and_waiter() {
         });
     });
 }
+
+/// A stream that nobody used is handed on without a driver call (issue 22), so a death that
+/// nobody has seen yet is not seen at the hand-over: the new owner gets the stream, its first
+/// driver call returns the sticky error, and the context reports it from then on.
+#[test]
+fn an_untouched_stream_of_a_dead_context_reports_the_fault_at_its_first_use() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    drop(ctx.owner().stream().unwrap());
+    sim.kill_context(ctx.raw(), FAULT);
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let e = s.synchronize().unwrap_err();
+    assert_eq!(e.code(), Some(FAULT), "{e}");
+    assert!(ctx.health().is_err());
+    let e = ctx.owner().stream().map(|_| ()).unwrap_err();
+    assert_eq!(e.code(), Some(FAULT), "{e}");
+}

@@ -734,7 +734,11 @@ fn held_a_waiter_at_the_cap_gets_the_error_when_a_stream_comes_back_after_the_de
     let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
     let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
     let holder = ctx.owner();
-    holder.stream().unwrap();
+    // Work through the raw handle: the crate cannot know the stream idle, so its return asks
+    // the driver (an untouched stream would be handed on without a driver call, and the error
+    // met at the new owner's first call).
+    let raw = holder.stream().unwrap().raw();
+    sim.enqueue_work(raw, 1_000).unwrap();
     let mut fut = Box::pin(ctx.owner().ready());
     let (counter, w) = futures_util::waker();
     assert!(poll(fut.as_mut(), &w).is_pending());

@@ -338,7 +338,9 @@ fn pool_queries_run_in_relaxed_mode() {
     let ctx = Context::primary(d.clone(), 0).unwrap();
     drop(ctx.owner().stream().unwrap());
     let o = ctx.owner();
-    o.stream().unwrap(); // retired stream reused once above? no: the first owner is gone
+    // The handle leaves the crate: the release must query the stream (untouched, it would be
+    // known idle and handed on without a driver call).
+    o.stream().unwrap().raw();
     sim.clear_calls();
     drop(o);
     let o2 = ctx.owner();

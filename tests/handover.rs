@@ -1,0 +1,138 @@
+//! Hand-overs without a driver call: a retired stream is handed on without `cuStreamQuery`
+//! when the crate knows its work completed (nothing enqueued since it was handed out, or since a
+//! `synchronize`, a blocking copy or a resolved completion of the crate), and with one whenever
+//! it cannot know (the raw handle left the crate in that generation, the crate enqueued
+//! something since). On the simulated driver, which counts every call.
+
+mod common;
+
+use cuda_stream_pool::driver::{Driver, SimDriver};
+use cuda_stream_pool::{Context, DeviceBuffer};
+use std::sync::Arc;
+
+fn sim() -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    (sim, Context::primary(d, 0).unwrap())
+}
+
+fn queries(sim: &SimDriver) -> usize {
+    sim.calls()
+        .iter()
+        .filter(|c| c.name == "cuStreamQuery")
+        .count()
+}
+
+/// Acquiring and releasing a stream that nobody used makes no driver call at all (issue 22's
+/// "zero-call hand-over"): 100 owners in turn, after a first one that created the stream.
+#[test]
+fn an_untouched_stream_is_handed_on_with_no_driver_call() {
+    let (sim, ctx) = sim();
+    let first = ctx.owner();
+    let raw = first.stream().unwrap().generation();
+    drop(first);
+    let before = sim.call_count();
+    for _ in 0..100 {
+        let o = ctx.owner();
+        assert!(o.stream().unwrap().generation() > raw);
+        drop(o);
+    }
+    assert_eq!(
+        sim.call_count() - before,
+        0,
+        "driver calls made by 100 acquisitions and releases: {:?}",
+        sim.calls().iter().map(|c| c.name).collect::<Vec<_>>()
+    );
+    assert_eq!(ctx.stats().created, 1);
+}
+
+/// After the crate's own work and a `synchronize`, the stream is handed on without a query.
+#[test]
+fn a_synchronized_stream_is_handed_on_without_a_query() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let buf = DeviceBuffer::from_slice(&s, &[1u32, 2, 3]).unwrap();
+    let mut out = DeviceBuffer::<u32>::zeroed(&s, 3).unwrap();
+    out.copy_from_host(&s, &[4, 5, 6]).unwrap();
+    s.synchronize().unwrap();
+    drop(s);
+    sim.clear_calls();
+    drop(o);
+    let next = ctx.owner();
+    next.stream().unwrap();
+    assert_eq!(queries(&sim), 0, "{:?}", sim.calls());
+    assert_eq!(ctx.stats().created, 1, "the same stream, handed on");
+    drop((buf, out));
+}
+
+/// A resolved completion future makes the stream known idle too (up to its marker).
+#[test]
+fn a_resolved_completion_makes_the_stream_known_idle() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let buf = DeviceBuffer::from_slice(&s, &[7u32; 64]).unwrap();
+    let done = s.completed().unwrap();
+    common::block_on(done).unwrap();
+    drop(s);
+    sim.clear_calls();
+    drop(o);
+    ctx.owner().stream().unwrap();
+    assert_eq!(queries(&sim), 0, "{:?}", sim.calls());
+    drop(buf);
+}
+
+/// Once the raw handle left the crate in a generation, work may have been enqueued through it
+/// unseen (here through a handle kept across the `synchronize`): the release asks the driver,
+/// and a stream still busy is not handed on.
+#[test]
+fn an_exposed_handle_makes_the_hand_over_ask_the_driver() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let kept = s.raw();
+    s.synchronize().unwrap();
+    sim.enqueue_work(kept, 1_000).unwrap(); // unseen by the crate
+    drop(s);
+    drop(o);
+    let next = ctx.owner();
+    let got = next.stream().unwrap().raw();
+    assert_ne!(got, kept, "a busy stream was handed on");
+    assert!(!sim.is_busy(got));
+    assert!(queries(&sim) > 0);
+}
+
+/// A free enqueued on the stream after the `synchronize` (a buffer last used there, dropped
+/// before the owner) makes the release ask the driver again.
+#[test]
+fn an_enqueue_after_the_synchronize_makes_the_hand_over_ask_the_driver() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let buf = DeviceBuffer::from_slice(&s, &[1u32; 16]).unwrap();
+    s.synchronize().unwrap();
+    drop(buf); // frees on the stream: an enqueue after the synchronize
+    drop(s);
+    sim.clear_calls();
+    drop(o);
+    ctx.owner().stream().unwrap();
+    assert!(queries(&sim) > 0, "{:?}", sim.calls());
+}
+
+/// A completion made before later work covers only the work before it.
+#[test]
+fn a_completion_covers_only_the_work_before_it() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let done = s.completed().unwrap();
+    let buf = DeviceBuffer::<u32>::zeroed(&s, 16).unwrap(); // an async memset after the marker
+    common::block_on(done).unwrap();
+    drop(s);
+    sim.clear_calls();
+    drop(o);
+    ctx.owner().stream().unwrap();
+    assert!(queries(&sim) > 0, "{:?}", sim.calls());
+    drop(buf);
+}
