@@ -136,3 +136,48 @@ fn a_completion_covers_only_the_work_before_it() {
     assert!(queries(&sim) > 0, "{:?}", sim.calls());
     drop(buf);
 }
+
+/// The driver calls of the seed's short task (an owner, a 4 KiB upload, a read-back, the
+/// owner's release) and of a buffer's allocation and free, counted on the simulated driver once
+/// warm. Fails when they grow: a change that adds a driver call to the hot path must change
+/// this number on purpose (issue 22).
+#[test]
+fn driver_calls_per_task_do_not_grow() {
+    let (sim, ctx) = sim();
+    let task = || {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let b = DeviceBuffer::from_slice(&s, &[1u32; 1024]).unwrap();
+        assert_eq!(b.to_vec(&s).unwrap().len(), 1024);
+        drop(b);
+        drop(s);
+        drop(o);
+    };
+    let alloc_free = || {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        drop(DeviceBuffer::<u32>::alloc(&s, 1024).unwrap());
+    };
+    for _ in 0..3 {
+        task();
+        alloc_free();
+    }
+    let names = |f: &dyn Fn()| {
+        sim.clear_calls();
+        f();
+        sim.calls().iter().map(|c| c.name).collect::<Vec<_>>()
+    };
+    let t = names(&task);
+    let a = names(&alloc_free);
+    assert!(t.len() <= TASK_CALLS, "the short task makes {} driver calls: {t:?}", t.len());
+    assert!(a.len() <= ALLOC_FREE_CALLS, "alloc+free makes {} driver calls: {a:?}", a.len());
+}
+
+/// Measured 2026-12-03: the acquisition's query (the previous task's free came after its last
+/// synchronize, so the stream is not known idle) with its mode pair (3), the allocation with
+/// its pair (3), two blocking copies with their context switch and synchronize (8 each), the
+/// free with its pair (3).
+const TASK_CALLS: usize = 23;
+/// The acquisition's query (3), the allocation (3) and the free (3), each in relaxed mode
+/// (allocations and frees invalidate another thread's global capture otherwise: docs/gpu.md).
+const ALLOC_FREE_CALLS: usize = 9;
