@@ -114,7 +114,11 @@ fn main() -> Res<()> {
     unsafe { d.stream_wait_value32(s.raw(), dev, k, WaitValue::Geq)? };
     let pending = s.completed()?;
     std::thread::sleep(Duration::from_millis(20)); // the poller settles into its sleep loop
-    let (p0, c0, t0) = (hooked.hook.0.load(Ordering::Relaxed), cpu_time(), Instant::now());
+    let (p0, c0, t0) = (
+        hooked.hook.0.load(Ordering::Relaxed),
+        cpu_time(),
+        Instant::now(),
+    );
     std::thread::sleep(Duration::from_secs(2));
     let (p1, c1, dt) = (
         hooked.hook.0.load(Ordering::Relaxed),

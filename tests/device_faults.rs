@@ -365,7 +365,8 @@ fn fault_op() -> impl proptest::strategy::Strategy<Value = FaultOp> {
     ]
 }
 
-type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = cuda_stream_pool::Result<()>> + Send>>;
+type Pending =
+    std::pin::Pin<Box<dyn std::future::Future<Output = cuda_stream_pool::Result<()>> + Send>>;
 
 /// Runs `ops` on a context with a cap of 2 streams per key, killing it (`kill_context`, as a
 /// faulting kernel does) before op `kill_at`; every call after may fail, none may panic. Then
@@ -376,10 +377,12 @@ type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = cuda_stream_po
 fn run_fault_case(ops: &[FaultOp], kill_at: usize) {
     use cuda_stream_pool::{ContextOptions, Owner};
     use std::future::Future;
-    let sim = Arc::new(SimDriver::with_config(cuda_stream_pool::driver::SimConfig {
-        devices: 2,
-        ..Default::default()
-    }));
+    let sim = Arc::new(SimDriver::with_config(
+        cuda_stream_pool::driver::SimConfig {
+            devices: 2,
+            ..Default::default()
+        },
+    ));
     let d: Arc<dyn Driver> = sim.clone();
     let opts = ContextOptions::default().max_live_streams_per_key(Some(2));
     let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();

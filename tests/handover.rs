@@ -169,8 +169,16 @@ fn driver_calls_per_task_do_not_grow() {
     };
     let t = names(&task);
     let a = names(&alloc_free);
-    assert!(t.len() <= TASK_CALLS, "the short task makes {} driver calls: {t:?}", t.len());
-    assert!(a.len() <= ALLOC_FREE_CALLS, "alloc+free makes {} driver calls: {a:?}", a.len());
+    assert!(
+        t.len() <= TASK_CALLS,
+        "the short task makes {} driver calls: {t:?}",
+        t.len()
+    );
+    assert!(
+        a.len() <= ALLOC_FREE_CALLS,
+        "alloc+free makes {} driver calls: {a:?}",
+        a.len()
+    );
 }
 
 /// Measured 2026-12-03: the acquisition's query (the previous task's free came after its last

@@ -28,6 +28,10 @@ fn two_devices(d: &Arc<dyn Driver>) {
         .map(|t| {
             let (ctxs, kernels) = (ctxs.clone(), kernels.clone());
             std::thread::spawn(move || {
+                let d = ctxs[0].driver().clone();
+                // The thread's current context as found (none on a fresh thread): every call
+                // below leaves it so, whichever device it used.
+                let found = d.ctx_get_current().unwrap();
                 for i in 0..200usize {
                     let a = ctxs[(t + i) % 2].owner();
                     let b = ctxs[(t + i + 1) % 2].owner();
@@ -48,6 +52,11 @@ fn two_devices(d: &Arc<dyn Driver>) {
                     assert_eq!(sum_b.to_vec(&sb).unwrap()[0], 1024.0);
                     // A buffer of one device cannot be used on the other's stream.
                     assert!(matches!(xa.use_on(&sb), Err(Error::InvalidArgument(_))));
+                    assert_eq!(
+                        d.ctx_get_current().unwrap(),
+                        found,
+                        "the current context changed"
+                    );
                 }
             })
         })
