@@ -837,7 +837,14 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         }
         let last = self.core.last.lock();
         let live = last.slot.lock().is_live(last.gen);
-        Some((last.slot.observe(), last.gen, live))
+        // The handle leaves the crate: while its generation is live, work enqueued through it
+        // is unseen, so that generation is no longer known idle (R7-3).
+        let raw = if live {
+            last.slot.expose(last.gen)
+        } else {
+            last.slot.observe()
+        };
+        Some((raw, last.gen, live))
     }
 }
 

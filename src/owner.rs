@@ -581,6 +581,12 @@ impl Future for OwnerReady {
             return Poll::Ready(r.and_then(|_| owner.ok_or_else(|| Error::invalid("no owner"))));
         }
         let ci = &owner.ctx.inner;
+        if let Some(e) = ci.fault(false) {
+            // A dead context hands out nothing, as `CtxInner::acquire` (R7-1).
+            this.ticket = None;
+            this.owner = None;
+            return Poll::Ready(Err(e));
+        }
         let (p, flags) = (owner.inner.borrow().current, owner.flags);
         let pool = ci.pool(p, flags);
         if this.ticket.is_none() && pool.lent_out() > 0 {

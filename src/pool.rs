@@ -918,6 +918,14 @@ impl Gate {
                         let mut r = self.returned.lock();
                         r.push(slot);
                         self.returned_len.store(r.len(), Ordering::Release);
+                        // A stream came back to the pool: the first waiter is notified (and
+                        // passes it on if it is served from its own mailbox). Without it a
+                        // waiter that joined behind it slept while the stream lay in the pool
+                        // (R7-2).
+                        if let Some(n) = q.list.front_mut() {
+                            n.notified = n.notified.saturating_add(1);
+                            wakes.push(n.waker());
+                        }
                     }
                 }
             }
@@ -1303,7 +1311,14 @@ impl Pool {
                         armed_any = true;
                         continue;
                     }
-                    Err(_) => continue,
+                    Err(_) => {
+                        // RAN, yet the attempt found the stream busy even after waiting for the
+                        // function's return (`finish_wake_up`): only a dead context does that,
+                        // and no wake-up will come. The waiter polls for the fault (R7-1: it
+                        // slept for ever).
+                        armed_any = true;
+                        continue;
+                    }
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
                 let f = crate::hostfn::host_fn(move || {

@@ -189,3 +189,42 @@ const TASK_CALLS: usize = 23;
 /// The acquisition's query (3), the allocation (3) and the free (3), each in relaxed mode
 /// (allocations and frees invalidate another thread's global capture otherwise: docs/gpu.md).
 const ALLOC_FREE_CALLS: usize = 9;
+
+// Pins review 7's finding R7-3 (minor; `last_use` is documented "for tests and diagnostics"): the raw stream
+// handle returned by `DeviceBuffer::last_use` leaves the crate through `Slot::observe`, not
+// `Slot::expose`, so work enqueued through it (while the owner still holds the stream, as with
+// `StreamRef::raw`) is not counted: after a `synchronize` the stream stays "known idle" and is
+// handed to the next owner without `cuStreamQuery`, busy, and the buffer, whose last use is in
+// the old generation, is freed unordered on the disposal stream under that work.
+#[test]
+fn work_through_the_handle_of_last_use_is_seen_before_the_hand_over() {
+    let (sim, ctx) = sim();
+    let buf;
+    let raw;
+    {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        buf = DeviceBuffer::<u32>::zeroed(&s, 256).unwrap();
+        s.synchronize().unwrap();
+        let (r, _, live) = buf.last_use().unwrap();
+        assert!(live);
+        // A diagnostic tool (or another crate) enqueues work on the buffer's last stream
+        // while its owner holds it.
+        sim.enqueue_access(r, buf.as_raw(), 1024, true, 1_000_000)
+            .unwrap();
+        raw = r;
+    }
+    let o2 = ctx.owner();
+    let s2 = o2.stream().unwrap();
+    let busy = sim.is_busy(raw);
+    // The same pooled stream, in its second generation.
+    let same = s2.generation() == 2;
+    drop(buf);
+    s2.synchronize().unwrap();
+    let misuse = sim.misuse();
+    assert!(
+        !(same && busy) && misuse.is_empty(),
+        "handed over busy: {}; misuse: {misuse:?}",
+        same && busy
+    );
+}
