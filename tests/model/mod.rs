@@ -593,13 +593,12 @@ impl Capture {
     }
 }
 
-/// Asserts that the owner's stream `raw` (if it still holds it) is no longer capturing.
-fn assert_not_capturing(owner: &Owner, raw: u64, what: &str) {
-    for (_, s) in owner.streams() {
-        if s.raw().0 == raw {
-            assert!(!s.is_capturing().unwrap_or(false), "{what}");
-        }
-    }
+/// Whether the owner's stream `raw` (if it still holds it) is still capturing.
+fn still_capturing(owner: &Owner, raw: u64) -> bool {
+    owner
+        .streams()
+        .iter()
+        .any(|(_, s)| s.raw().0 == raw && s.is_capturing().unwrap_or(false))
 }
 
 type Drv = Hooked<Sched>;
@@ -649,6 +648,27 @@ impl Model {
         });
         self.thread_states.push(state);
         r
+    }
+
+    /// After a capture's end (or its guard's drop): the owner's stream `raw` is no longer
+    /// capturing, unless injected faults (since the `f0`th) failed each of the crate's three
+    /// tries to end it (a fault on any call of a try fails it: the end, the status query, the
+    /// current-context switch of the device rules around them). Then the crate keeps the stream
+    /// flagged capturing, out of circulation for good, and the model checks it from then on as
+    /// a stream that is never handed to another owner. Campaign 8's finding
+    /// `regression-capture-end-gives-up-d5fd42c4` (three faults on `cuCtxGetCurrent`/`cuCtxSetCurrent` during a guard's
+    /// drop) before this allowance.
+    fn check_capture_ended(&mut self, id: u64, o: &Owner, raw: u64, f0: usize, what: &str) {
+        if !still_capturing(o, raw) {
+            return;
+        }
+        let injected = self.sim.injected_failures();
+        let since = &injected[f0.min(injected.len())..];
+        assert!(
+            since.len() >= 3,
+            "{what} (injected faults during it: {since:?})"
+        );
+        self.stuck.push((id, raw));
     }
 
     /// Checks the model thread's state and those the step's other threads recorded: the other
@@ -726,6 +746,9 @@ pub struct Model {
     steps: usize,
     /// Raw streams left captured by leaked guards (kept by the pool, never handed out).
     leaked: Vec<u64>,
+    /// (owner id, raw stream): streams whose capture the crate could not end (injected faults
+    /// failed its every try): flagged capturing for good, never handed to another owner.
+    stuck: Vec<(u64, u64)>,
     next_owner: u64,
     /// (owner id, raw stream) pairs seen held; a new pair is a hand-over.
     held: HashSet<(u64, u64)>,
@@ -830,6 +853,7 @@ impl Model {
             foreign: Vec::new(),
             thread_states: Vec::new(),
             injected_seen: 0,
+            stuck: Vec::new(),
             leaked_uses: Vec::new(),
             use_leaked: false,
             loans: Vec::new(),
@@ -1361,9 +1385,10 @@ impl Model {
                 }
             }
             &Op::EndCapture { guard, keep } => {
+                let f0 = self.sim.injected_failures().len();
                 if let Some(k) = pick(&self.guards, guard) {
                     let c = self.guards.swap_remove(k);
-                    let raw = c.raw;
+                    let (raw, id) = (c.raw, c.owner_id);
                     let kernels = c.kernels.clone();
                     let (graph, o) = c.end();
                     if let Ok(graph) = graph {
@@ -1374,15 +1399,22 @@ impl Model {
                             }
                         }
                     }
-                    assert_not_capturing(&o, raw, "end left the stream capturing");
+                    self.check_capture_ended(id, &o, raw, f0, "end left the stream capturing");
                 }
             }
             &Op::DropGuard(k) => {
+                let f0 = self.sim.injected_failures().len();
                 if let Some(k) = pick(&self.guards, k) {
                     let c = self.guards.swap_remove(k);
-                    let raw = c.raw;
+                    let (raw, id) = (c.raw, c.owner_id);
                     let o = c.discard();
-                    assert_not_capturing(&o, raw, "a dropped guard left the stream capturing");
+                    self.check_capture_ended(
+                        id,
+                        &o,
+                        raw,
+                        f0,
+                        "a dropped guard left the stream capturing",
+                    );
                 }
             }
             &Op::LeakCapture(i) => {
@@ -1621,9 +1653,13 @@ impl Model {
         );
         // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
-        for (_, raw) in self.held_pairs() {
+        for (id, raw) in self.held_pairs() {
             let s = cuda_stream_pool::driver::Stream(raw);
             assert!(seen.insert(s), "two owners share stream {s:?}");
+            assert!(
+                !self.stuck.iter().any(|&(o, r)| r == raw && o != id),
+                "a stream whose capture could not be ended was handed to another owner"
+            );
         }
         for raw in &self.leaked {
             let s = cuda_stream_pool::driver::Stream(*raw);
@@ -1765,7 +1801,7 @@ impl Model {
                 .primary_ctx_release(self.sim.device_get(1).expect("device 1"))
         }
         .expect("release device 1's primary context");
-        if !self.leaked.is_empty() {
+        if !self.leaked.is_empty() || !self.stuck.is_empty() {
             // A leaked capture guard holds a reference to the context: the whole state leaks
             // (never torn down, so never freed or destroyed under the capture). Only misuse is
             // checked.
