@@ -16,6 +16,7 @@ mod foreign;
 mod futs;
 mod loans;
 mod sched;
+mod threads;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{
@@ -635,18 +636,23 @@ const THREAD_STATE_CALLS: [&str; 3] = [
 impl Model {
     /// Runs `f` on a thread of its own with the model's other context current there, and
     /// records that thread's state after it for the step's check.
-    fn elsewhere<T: Send>(&mut self, what: &'static str, f: impl FnOnce() -> T + Send) -> T {
-        let (sim, other) = (&self.sim, self.other);
-        let (r, state) = std::thread::scope(|sc| {
-            sc.spawn(|| {
-                sim.set_thread_context(other);
-                let r = f();
-                let (ctx, mode) = sim.thread_state();
-                (r, (ctx, mode, what))
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        });
+    fn elsewhere<T: Send + 'static>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        let (sim, other) = (self.sim.clone(), self.other);
+        let (r, state) = threads::spawn(move || {
+            // (A reused thread: its state starts as a new thread's.)
+            sim.forget_thread_state();
+            sim.set_thread_context(other);
+            let r = f();
+            let (ctx, mode) = sim.thread_state();
+            sim.forget_thread_state();
+            (r, (ctx, mode, what))
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p));
         self.thread_states.push(state);
         r
     }
@@ -1544,7 +1550,8 @@ impl Model {
             .map(|(i, (w, bufs))| {
                 let (shared, w, drv) = (shared.clone(), w.clone(), self.drv.clone());
                 let (sim, other) = (self.sim.clone(), self.other);
-                std::thread::spawn(move || {
+                threads::spawn(move || {
+                    sim.forget_thread_state();
                     sim.set_thread_context(other);
                     let registered = sched::register(&drv, i);
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1554,6 +1561,7 @@ impl Model {
                     drop(shared);
                     drop(registered);
                     let (ctx, mode) = sim.thread_state();
+                    sim.forget_thread_state();
                     r.map(|out| (out, (ctx, mode, "a worker's steps")))
                 })
             })
