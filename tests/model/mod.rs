@@ -882,12 +882,17 @@ impl Model {
     /// Counts acquisitions by owners that held a stream already.
     fn sync_holdings(&mut self) {
         let pairs = self.held_pairs();
+        self.sync_holdings_with(&pairs);
+    }
+
+    /// [`Model::sync_holdings`] with the pairs held now (`held_pairs`).
+    fn sync_holdings_with(&mut self, pairs: &[(u64, u64)]) {
         let now: HashSet<(u64, u64)> = pairs.iter().copied().collect();
         for pair in now.difference(&self.held) {
             *self.gens.entry(pair.1).or_insert(0) += 1;
         }
         let mut per: HashMap<u64, usize> = HashMap::new();
-        for (id, _) in &pairs {
+        for (id, _) in pairs {
             *per.entry(*id).or_default() += 1;
         }
         for (id, n) in &per {
@@ -1488,9 +1493,12 @@ impl Model {
             &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
             &Op::EndLoan(k) => self.end_loan(k),
         }
-        self.sync_holdings();
-        self.check(acquired);
-        self.loans_seen_back();
+        // The pairs held after the step, read once for the three (nothing between them changes
+        // an owner's streams: the statistics readings of the checks only trim retired ones).
+        let pairs = self.held_pairs();
+        self.sync_holdings_with(&pairs);
+        self.check_with(acquired, &pairs);
+        self.loans_seen_back(&pairs);
         // (After the checks: their statistics readings call the driver too.)
         self.check_thread_states();
     }
@@ -1619,6 +1627,11 @@ impl Model {
 
     /// The invariants that hold after every step.
     pub fn check(&self, after_search: bool) {
+        self.check_with(after_search, &self.held_pairs());
+    }
+
+    /// [`Model::check`] with the pairs held now (`held_pairs`).
+    fn check_with(&self, after_search: bool, pairs: &[(u64, u64)]) {
         // A re-entrant waker's action that panicked (the crate catches a waker's panic, so the
         // model records it): e.g. a lock of the crate taken again under itself.
         let panics =
@@ -1629,7 +1642,7 @@ impl Model {
         );
         // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
-        for (_, raw) in self.held_pairs() {
+        for &(_, raw) in pairs {
             let s = cuda_stream_pool::driver::Stream(raw);
             assert!(seen.insert(s), "two owners share stream {s:?}");
         }
@@ -1659,7 +1672,7 @@ impl Model {
             seen.len() + st.lent as usize,
             "owners' streams vs in_use: {st:?}"
         );
-        self.check_loans(&st);
+        self.check_loans(&st, pairs);
         if after_search {
             // (Per key: the bound is the key's; `Op::ManyOwners` retires more than it of one.)
             for p in -5..=0 {
