@@ -511,6 +511,13 @@ thread_local! {
     static HOME: Cell<usize> = const { Cell::new(usize::MAX) };
 }
 
+/// Forgets the calling thread's home shard: its next use picks one as a new thread's first use
+/// would (for the model's reused threads, see `__model_hooks::fresh_thread`).
+#[cfg(feature = "model-hooks")]
+pub(crate) fn forget_home() {
+    let _ = HOME.try_with(|h| h.set(usize::MAX));
+}
+
 fn home_index() -> usize {
     HOME.try_with(|h| {
         let mut v = h.get();

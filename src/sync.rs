@@ -398,6 +398,22 @@ pub mod hook {
         }
     }
 
+    /// Makes the calling thread look new to the crate (for a test that reuses its threads
+    /// where it would start new ones): it is not listed as parked, no unpark of an earlier use
+    /// is pending for it, and its next acquisition picks its home shard as a new thread's would.
+    /// Call it where the thread would have been started, with nothing of the crate's in use on it.
+    pub fn fresh_thread() {
+        let me = std::thread::current().id();
+        {
+            let mut l = parked_list();
+            l.0.retain(|t| *t != me);
+            l.1.retain(|t| *t != me);
+        }
+        // (A token left by an unpark of an earlier use: a new thread has none.)
+        std::thread::park_timeout(std::time::Duration::ZERO);
+        crate::pool::forget_home();
+    }
+
     /// Whether thread `t` is parked without a timeout inside the crate right now (a blocking
     /// acquisition at a cap, waiting for a stream to come back): it runs again only when
     /// something unparks it.

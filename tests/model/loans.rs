@@ -90,8 +90,7 @@ impl Model {
     }
 
     /// The loans' invariants (see the module's docs).
-    pub(super) fn check_loans(&self, st: &cuda_stream_pool::PoolStats) {
-        let pairs = self.held_pairs();
+    pub(super) fn check_loans(&self, st: &cuda_stream_pool::PoolStats, pairs: &[(u64, u64)]) {
         let held: HashSet<u64> = pairs.iter().map(|p| p.1).collect();
         for l in &self.loans {
             let raw = l.h.0 .0;
@@ -128,8 +127,8 @@ impl Model {
     }
 
     /// A stream lent before and now held by another owner than its lender is back: forgotten.
-    pub(super) fn loans_seen_back(&mut self) {
-        let held = self.held_pairs();
+    /// (`held`: the pairs held now, `held_pairs`.)
+    pub(super) fn loans_seen_back(&mut self, held: &[(u64, u64)]) {
         self.lent_ever
             .retain(|raw, lender| !held.iter().any(|(id, r)| r == raw && id != lender));
     }

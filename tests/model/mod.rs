@@ -16,6 +16,7 @@ mod foreign;
 mod futs;
 mod loans;
 mod sched;
+mod threads;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{
@@ -634,18 +635,23 @@ const THREAD_STATE_CALLS: [&str; 3] = [
 impl Model {
     /// Runs `f` on a thread of its own with the model's other context current there, and
     /// records that thread's state after it for the step's check.
-    fn elsewhere<T: Send>(&mut self, what: &'static str, f: impl FnOnce() -> T + Send) -> T {
-        let (sim, other) = (&self.sim, self.other);
-        let (r, state) = std::thread::scope(|sc| {
-            sc.spawn(|| {
-                sim.set_thread_context(other);
-                let r = f();
-                let (ctx, mode) = sim.thread_state();
-                (r, (ctx, mode, what))
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        });
+    fn elsewhere<T: Send + 'static>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        let (sim, other) = (self.sim.clone(), self.other);
+        let (r, state) = threads::spawn(move || {
+            // (A reused thread: its state starts as a new thread's.)
+            sim.forget_thread_state();
+            sim.set_thread_context(other);
+            let r = f();
+            let (ctx, mode) = sim.thread_state();
+            sim.forget_thread_state();
+            (r, (ctx, mode, what))
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p));
         self.thread_states.push(state);
         r
     }
@@ -900,12 +906,17 @@ impl Model {
     /// Counts acquisitions by owners that held a stream already.
     fn sync_holdings(&mut self) {
         let pairs = self.held_pairs();
+        self.sync_holdings_with(&pairs);
+    }
+
+    /// [`Model::sync_holdings`] with the pairs held now (`held_pairs`).
+    fn sync_holdings_with(&mut self, pairs: &[(u64, u64)]) {
         let now: HashSet<(u64, u64)> = pairs.iter().copied().collect();
         for pair in now.difference(&self.held) {
             *self.gens.entry(pair.1).or_insert(0) += 1;
         }
         let mut per: HashMap<u64, usize> = HashMap::new();
-        for (id, _) in &pairs {
+        for (id, _) in pairs {
             *per.entry(*id).or_default() += 1;
         }
         for (id, n) in &per {
@@ -1514,9 +1525,12 @@ impl Model {
             &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
             &Op::EndLoan(k) => self.end_loan(k),
         }
-        self.sync_holdings();
-        self.check(acquired);
-        self.loans_seen_back();
+        // The pairs held after the step, read once for the three (nothing between them changes
+        // an owner's streams: the statistics readings of the checks only trim retired ones).
+        let pairs = self.held_pairs();
+        self.sync_holdings_with(&pairs);
+        self.check_with(acquired, &pairs);
+        self.loans_seen_back(&pairs);
         // (After the checks: their statistics readings call the driver too.)
         self.check_thread_states();
     }
@@ -1576,7 +1590,8 @@ impl Model {
             .map(|(i, (w, bufs))| {
                 let (shared, w, drv) = (shared.clone(), w.clone(), self.drv.clone());
                 let (sim, other) = (self.sim.clone(), self.other);
-                std::thread::spawn(move || {
+                threads::spawn(move || {
+                    sim.forget_thread_state();
                     sim.set_thread_context(other);
                     let registered = sched::register(&drv, i);
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1586,6 +1601,7 @@ impl Model {
                     drop(shared);
                     drop(registered);
                     let (ctx, mode) = sim.thread_state();
+                    sim.forget_thread_state();
                     r.map(|out| (out, (ctx, mode, "a worker's steps")))
                 })
             })
@@ -1643,6 +1659,11 @@ impl Model {
 
     /// The invariants that hold after every step.
     pub fn check(&self, after_search: bool) {
+        self.check_with(after_search, &self.held_pairs());
+    }
+
+    /// [`Model::check`] with the pairs held now (`held_pairs`).
+    fn check_with(&self, after_search: bool, pairs: &[(u64, u64)]) {
         // A re-entrant waker's action that panicked (the crate catches a waker's panic, so the
         // model records it): e.g. a lock of the crate taken again under itself.
         let panics =
@@ -1653,7 +1674,7 @@ impl Model {
         );
         // No two live owners share a stream (attached owners included).
         let mut seen = HashSet::new();
-        for (id, raw) in self.held_pairs() {
+        for &(id, raw) in pairs {
             let s = cuda_stream_pool::driver::Stream(raw);
             assert!(seen.insert(s), "two owners share stream {s:?}");
             assert!(
@@ -1687,7 +1708,7 @@ impl Model {
             seen.len() + st.lent as usize,
             "owners' streams vs in_use: {st:?}"
         );
-        self.check_loans(&st);
+        self.check_loans(&st, pairs);
         if after_search {
             // (Per key: the bound is the key's; `Op::ManyOwners` retires more than it of one.)
             for p in -5..=0 {

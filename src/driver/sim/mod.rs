@@ -533,6 +533,14 @@ impl SimDriver {
         self.set_thread(|t| t.ctx = ctx.0);
     }
 
+    /// Forgets the calling thread's state in this simulation (a test control): its next call
+    /// finds it as a fresh thread would, no context current and the global capture mode. For a
+    /// test that reuses its threads (the state of each simulation a thread ever called is
+    /// otherwise kept until the thread exits).
+    pub fn forget_thread_state(&self) {
+        let _ = capture::THREAD.try_with(|t| t.borrow_mut().remove(&self.id));
+    }
+
     /// Sets the calling thread's current context and capture mode without a driver call (a test
     /// control, see [`SimDriver::thread_state`]).
     pub fn set_thread_state(&self, ctx: Context, mode: CaptureMode) {
