@@ -190,7 +190,20 @@ impl Default for MemPoolChoice {
 /// c.join().unwrap().unwrap();
 /// assert!(ctx.stats().peak_live <= 2);
 /// ```
+///
+/// ## Building one
+///
+/// The type is `#[non_exhaustive]`, so that a new option is not a breaking change: start from
+/// [`ContextOptions::default()`], [`ContextOptions::unbounded`] or [`ContextOptions::server`] and
+/// set fields with the builder methods (the fields stay public to read). A struct literal does
+/// not compile outside the crate:
+///
+/// ```compile_fail,E0639
+/// use cuda_stream_pool::{ContextOptions, MemPoolChoice};
+/// let opts = ContextOptions { mem_pool: MemPoolChoice::default(), max_live_streams_per_key: None };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ContextOptions {
     /// Where buffers allocate from (default: the crate's own pool).
     pub mem_pool: MemPoolChoice,

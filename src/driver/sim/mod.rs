@@ -106,8 +106,10 @@ impl Default for SimConfig {
     }
 }
 
-/// Counters of live and total resources.
+/// Counters of live and total resources (`#[non_exhaustive]`: read them; new counters are not a
+/// breaking change).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SimCounters {
     /// Streams alive now (the legacy stream not counted).
     pub live_streams: u64,
