@@ -55,7 +55,7 @@ export CARGO_TARGET_DIR="$top/target/package-check"
 # [package.metadata.docs.rs], warnings denied, on the packaged crate as docs.rs gets it.
 rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 feats=$(cd "$tmp/cuda-stream-pool-0.1.0" && cargo metadata --no-deps --format-version 1 |
-  python3 -c 'import json,sys; p=json.load(sys.stdin)["packages"][0]; print(",".join(p["metadata"]["docs.rs"]["features"]))')
+  python3 -c 'import json,sys; p=json.load(sys.stdin)["packages"][0]; print(",".join(p["metadata"]["docs"]["rs"]["features"]))')
 echo "docs.rs features: $feats"
 (cd "$tmp/cuda-stream-pool-0.1.0" && CARGO_TARGET_DIR="$top/target/docsrs" \
   RUSTDOCFLAGS="--cfg docsrs -D warnings" cargo +nightly doc --no-deps --features "$feats")
