@@ -15,6 +15,27 @@ use std::sync::{Arc, OnceLock, RwLock};
 /// A stream priority, per owner. Lower numbers are higher priorities (CUDA's convention); the
 /// valid numbers are the context's [`PriorityRange`].
 ///
+/// **`Normal` is `Low` on every current NVIDIA GPU.** Their ranges run from 0 (the least
+/// priority, also CUDA's default) to a negative number (-5 on the H200), so `Normal` and `Low`
+/// both resolve to 0: the same priority, the same pool and, for one owner, the same stream.
+/// There is no priority between the default and the least. `Normal` names the default (what an
+/// owner uses until [`crate::Owner::set_priority`]); only a range without 0 would make it
+/// differ from `Low` (it then resolves to the least priority as well). To run work ahead of
+/// default work, use `High` or a `Value` below 0.
+///
+/// ```
+/// # use cuda_stream_pool::{driver, Context};
+/// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// # let ctx = Context::primary(drv, 0).unwrap();
+/// use cuda_stream_pool::Priority;
+/// let r = ctx.priority_range();
+/// assert_eq!(r.resolve(Priority::Normal).unwrap(), r.resolve(Priority::Low).unwrap());
+/// let owner = ctx.owner();
+/// let normal = owner.stream().unwrap().raw();     // the default: Normal
+/// owner.set_priority(Priority::Low).unwrap();
+/// assert_eq!(owner.stream().unwrap().raw(), normal); // the same stream
+/// ```
+///
 /// ```
 /// # use cuda_stream_pool::{driver, Context};
 /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
@@ -29,8 +50,9 @@ use std::sync::{Arc, OnceLock, RwLock};
 pub enum Priority {
     /// The least priority of the range (0 on the H200).
     Low,
-    /// CUDA's default priority, 0 (the same stream priority as `Low` where the range starts at 0,
-    /// as on every current NVIDIA GPU); the least priority for a range without 0.
+    /// CUDA's default priority, 0, the priority of an owner that chose none. **The same as `Low`
+    /// on every current NVIDIA GPU** (their ranges start at 0; see the type's docs); the least
+    /// priority for a range without 0.
     Normal,
     /// The greatest priority of the range (-5 on the H200).
     High,
@@ -190,7 +212,20 @@ impl Default for MemPoolChoice {
 /// c.join().unwrap().unwrap();
 /// assert!(ctx.stats().peak_live <= 2);
 /// ```
+///
+/// ## Building one
+///
+/// The type is `#[non_exhaustive]`, so that a new option is not a breaking change: start from
+/// [`ContextOptions::default()`], [`ContextOptions::unbounded`] or [`ContextOptions::server`] and
+/// set fields with the builder methods (the fields stay public to read). A struct literal does
+/// not compile outside the crate:
+///
+/// ```compile_fail,E0639
+/// use cuda_stream_pool::{ContextOptions, MemPoolChoice};
+/// let opts = ContextOptions { mem_pool: MemPoolChoice::default(), max_live_streams_per_key: None };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ContextOptions {
     /// Where buffers allocate from (default: the crate's own pool).
     pub mem_pool: MemPoolChoice,

@@ -214,6 +214,8 @@
 //! manual clock, a call log, misuse detection and fault injection, on which the crate's tests,
 //! property tests and fuzzer run.
 #![warn(missing_docs, missing_debug_implementations)]
+// docs.rs builds with `--cfg docsrs` on nightly: label the items of optional features.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod capture;
 mod completion;

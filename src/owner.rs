@@ -307,7 +307,7 @@ impl Owner {
     /// ```
     /// # use cuda_stream_pool::{driver, Context, ContextOptions};
     /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
-    /// let opts = ContextOptions { max_live_streams_per_key: Some(1), ..Default::default() };
+    /// let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
     /// let ctx = Context::primary_with(drv, 0, opts).unwrap();
     /// let first = ctx.owner();
     /// first.stream().unwrap();                             // the only stream

@@ -404,7 +404,16 @@ impl Slot {
 /// assert_eq!(st.live, st.in_use + st.idle + st.retired_busy + st.handed);
 /// assert_eq!(st.in_use, 1);
 /// ```
+///
+/// The type is `#[non_exhaustive]` so that a new counter is not a breaking change: read its
+/// fields; values come from the crate ([`crate::Context::stats`], [`PoolStats::default`] for
+/// zeros, `+` for sums), and a struct literal does not compile outside the crate:
+///
+/// ```compile_fail,E0639
+/// let st = cuda_stream_pool::PoolStats { live: 0, ..Default::default() };
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Streams alive: created minus destroyed.
     pub live: u64,

@@ -222,8 +222,10 @@ pub enum CaptureStatus {
     Invalidated,
 }
 
-/// `CUmemPool_attribute`s the crate reads or sets.
+/// `CUmemPool_attribute`s the crate reads or sets (`#[non_exhaustive]`: more are added as the
+/// crate needs them, without a breaking change).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum MemPoolAttr {
     /// Bytes the pool keeps cached across synchronizations.
     ReleaseThreshold,
@@ -249,8 +251,10 @@ impl MemPoolAttr {
     }
 }
 
-/// Device attributes the crate reads.
+/// Device attributes the crate reads (`#[non_exhaustive]`: more are added as the crate needs
+/// them, without a breaking change).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DeviceAttr {
     /// Streaming multiprocessors.
     MultiprocessorCount,
@@ -342,6 +346,25 @@ pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 ///
 /// A driver that breaks these may make the crate free memory the GPU still uses or destroy a
 /// stream twice.
+///
+/// # Implementing it outside the crate
+///
+/// The trait is public and not sealed: a mock, a fault injector or a driver with extra checks
+/// may implement it. To instrument or refuse calls of an existing driver, prefer [`Hooked`] with
+/// a [`Hook`]: it forwards every method, including those added later, so the hook never needs to
+/// change. The extension policy, from 0.1.0 on:
+///
+/// - a method added in a minor or patch release has a default implementation (forwarding to
+///   existing methods, as [`Driver::probe_sticky`] does, or failing with
+///   `CUDA_ERROR_NOT_SUPPORTED`), so a driver that implements every method without a default
+///   keeps compiling and working;
+/// - removing a method, changing a signature, or adding a method without a default is a breaking
+///   change (a major release);
+/// - the crate may start calling a method it did not call before (its default then applies to
+///   drivers that do not override it).
+///
+/// `tests/driver_extension.rs` is such a driver, outside the crate, with only the required
+/// methods: it fails to compile when a method without a default is added.
 ///
 /// ```compile_fail,E0200
 /// use cuda_stream_pool::driver::Driver;

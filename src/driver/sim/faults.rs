@@ -1,4 +1,5 @@
-//! The call log and fault injection: every driver call is counted and logged, and any call
+//! The call log and fault injection: every driver call is counted and logged (the most recent
+//! [`DEFAULT_CALL_LOG`] by default, [`SimDriver::set_call_log_limit`]), and any call
 //! (the n-th, or the next calls of one entry point) can be made to fail with a chosen
 //! `CUresult`, as a real driver may fail any call (out of memory, launch failures, ...).
 //! A call made from inside a host function fails with `CUDA_ERROR_NOT_PERMITTED` and is
@@ -19,6 +20,62 @@ pub struct Call {
     pub ptr: Option<DevicePtr>,
     /// Whether it succeeded.
     pub ok: bool,
+}
+
+/// How many calls a [`SimDriver`] keeps in its log unless told otherwise
+/// ([`SimDriver::set_call_log_limit`]): the most recent 65,536 (about 4.5 MiB), enough for every
+/// test that reads the log, bounded for a long run (a million allocations and frees make six
+/// million calls).
+pub const DEFAULT_CALL_LOG: usize = 1 << 16;
+
+/// The call log: the most recent `limit` calls, oldest first.
+pub(super) struct CallLog {
+    calls: VecDeque<Call>,
+    limit: usize,
+    /// Calls that fell off the front since the log was last cleared.
+    dropped: u64,
+}
+
+impl CallLog {
+    pub(super) fn new(limit: usize) -> CallLog {
+        CallLog {
+            calls: VecDeque::new(),
+            limit,
+            dropped: 0,
+        }
+    }
+
+    fn push(&mut self, c: Call) {
+        if self.limit == 0 {
+            self.dropped += 1;
+            return;
+        }
+        if self.calls.len() >= self.limit {
+            self.calls.pop_front();
+            self.dropped += 1;
+        }
+        self.calls.push_back(c);
+    }
+
+    /// The last logged call, to complete its record (a pointer known only after the call).
+    pub(super) fn last_mut(&mut self) -> Option<&mut Call> {
+        self.calls.back_mut()
+    }
+
+    fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+        while self.calls.len() > limit {
+            self.calls.pop_front();
+            self.dropped += 1;
+        }
+        // Give back what a larger limit made the ring grow to.
+        self.calls.shrink_to(limit);
+    }
+
+    fn clear(&mut self) {
+        self.calls.clear();
+        self.dropped = 0;
+    }
 }
 
 pub(super) struct Fault {
@@ -240,7 +297,9 @@ impl SimDriver {
         self.lock().faults.clear();
     }
 
-    /// The logged calls so far.
+    /// The logged calls, oldest first: the most recent [`DEFAULT_CALL_LOG`] calls since the log
+    /// was last cleared, or as many as [`SimDriver::set_call_log_limit`] says
+    /// ([`SimDriver::calls_dropped`] counts those that fell off the front).
     ///
     /// ```
     /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
@@ -255,10 +314,55 @@ impl SimDriver {
     /// assert!(names.contains(&"cuStreamQuery"));
     /// ```
     pub fn calls(&self) -> Vec<Call> {
-        self.lock().log.clone().unwrap_or_default()
+        self.lock()
+            .log
+            .as_ref()
+            .map(|l| l.calls.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
-    /// Clears the call log.
+    /// How many calls fell off the front of the log (it keeps the most recent ones only) since
+    /// it was last cleared, turned on or given a limit.
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.set_call_log_limit(2);
+    /// for _ in 0..5 {
+    ///     sim.device_count().unwrap();
+    /// }
+    /// assert_eq!(sim.calls().len(), 2);
+    /// assert_eq!(sim.calls_dropped(), 3);
+    /// assert_eq!(sim.call_count(), 5);         // every call is counted all the same
+    /// ```
+    pub fn calls_dropped(&self) -> u64 {
+        self.lock().log.as_ref().map_or(0, |l| l.dropped)
+    }
+
+    /// Keeps only the most recent `limit` calls in the log (default [`DEFAULT_CALL_LOG`]), so
+    /// that a long run's log stays bounded; `usize::MAX` keeps every call. Dropping to a smaller
+    /// limit forgets the oldest calls at once. Applies to the log when it is off as well (it
+    /// takes effect when [`SimDriver::set_logging`] turns it on).
+    ///
+    /// ```
+    /// use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// let sim = SimDriver::new();
+    /// sim.set_call_log_limit(1);
+    /// sim.init().unwrap();
+    /// sim.device_count().unwrap();
+    /// let names: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
+    /// assert_eq!(names, ["cuDeviceGetCount"]);
+    /// ```
+    pub fn set_call_log_limit(&self, limit: usize) {
+        let mut st = self.lock();
+        st.log_limit = limit;
+        if let Some(l) = st.log.as_mut() {
+            l.set_limit(limit);
+            l.dropped = 0;
+        }
+    }
+
+    /// Clears the call log (and the count of [`SimDriver::calls_dropped`]).
     ///
     /// ```
     /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
@@ -277,7 +381,8 @@ impl SimDriver {
         }
     }
 
-    /// Turns the call log on or off (the demo turns it off). Calls are counted either way.
+    /// Turns the call log on (empty, with the current [`SimDriver::set_call_log_limit`]) or off
+    /// (the demo turns it off). Calls are counted either way.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer, ErrorCode};
@@ -293,7 +398,12 @@ impl SimDriver {
     /// assert!(sim.call_count() > before);
     /// ```
     pub fn set_logging(&self, on: bool) {
-        self.lock().log = if on { Some(Vec::new()) } else { None };
+        let mut st = self.lock();
+        st.log = if on {
+            Some(CallLog::new(st.log_limit))
+        } else {
+            None
+        };
     }
 
     /// The entry points of the calls that injected faults failed so far, in order.

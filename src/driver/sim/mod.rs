@@ -26,7 +26,8 @@
 //!   call the driver (streams.rs).
 //! * Host-mapped memory and stream memory operations (`cuStreamWriteValue64`,
 //!   `cuStreamWaitValue32`) act on real host memory (hostmem.rs).
-//! * Every call is logged ([`SimDriver::calls`]) and any call can be made to fail
+//! * Every call is logged ([`SimDriver::calls`]: the most recent [`DEFAULT_CALL_LOG`] by
+//!   default, so that a long run's memory stays bounded) and any call can be made to fail
 //!   ([`SimDriver::fail_nth_call`], [`SimDriver::fail_calls`]).
 
 use super::*;
@@ -54,7 +55,7 @@ use hostmem::*;
 use memory::*;
 use streams::*;
 
-pub use faults::Call;
+pub use faults::{Call, DEFAULT_CALL_LOG};
 use latency::spin;
 pub use latency::Latency;
 
@@ -105,8 +106,10 @@ impl Default for SimConfig {
     }
 }
 
-/// Counters of live and total resources.
+/// Counters of live and total resources (`#[non_exhaustive]`: read them; new counters are not a
+/// breaking change).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SimCounters {
     /// Streams alive now (the legacy stream not counted).
     pub live_streams: u64,
@@ -156,7 +159,9 @@ struct State {
     /// `cuMemPoolCreate` get the next handles.
     pools: std::collections::BTreeMap<u64, u64>,
     next_pool: u64,
-    log: Option<Vec<Call>>,
+    log: Option<faults::CallLog>,
+    /// The limit of the call log (kept while the log is off).
+    log_limit: usize,
     faults: Vec<Fault>,
     calls: u64,
     misuse: Vec<String>,
@@ -334,7 +339,8 @@ impl SimDriver {
                 functions: HashMap::new(),
                 pools: [(1, 0)].into_iter().collect(),
                 next_pool: 2,
-                log: Some(Vec::new()),
+                log: Some(faults::CallLog::new(DEFAULT_CALL_LOG)),
+                log_limit: DEFAULT_CALL_LOG,
                 faults: Vec::new(),
                 calls: 0,
                 misuse: Vec::new(),
