@@ -5,6 +5,8 @@
 //! with the error instead of leaving it pending for ever, report the fault, and hang nothing.
 
 mod common;
+#[path = "common/futures.rs"]
+mod futures_util;
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode};
@@ -388,8 +390,9 @@ fn run_fault_case(ops: &[FaultOp], kill_at: usize) {
     let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
     let mut owners: Vec<Owner> = Vec::new();
     let mut futs: Vec<Pending> = Vec::new();
-    let noop = std::task::Waker::noop();
-    let mut cx = std::task::Context::from_waker(noop);
+    // (Not `Waker::noop`: the crate's minimum Rust is 1.82.)
+    let (_, noop) = futures_util::waker();
+    let mut cx = std::task::Context::from_waker(&noop);
     let mut killed = false;
     for (k, op) in ops.iter().enumerate() {
         if k == kill_at {
