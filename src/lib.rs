@@ -237,9 +237,23 @@ mod pool;
 mod retry;
 mod stream;
 mod sync;
+/// The model tests' hooks (hidden feature `model-hooks`): the synchronisation layer's
+/// (`sync::hook`), and what spans layers.
 #[cfg(feature = "model-hooks")]
 #[doc(hidden)]
-pub use sync::hook as __model_hooks;
+pub mod __model_hooks {
+    pub use crate::sync::hook::*;
+
+    /// Makes the calling thread look new to the crate (for a test that reuses its threads
+    /// where it would start new ones): it is not listed as parked, no unpark of an earlier use
+    /// is pending for it, and its next acquisition picks its home shard as a new thread's
+    /// would. Call it where the thread would have been started, with nothing of the crate's in
+    /// use on it.
+    pub fn fresh_thread() {
+        crate::sync::hook::fresh_thread_sync();
+        crate::pool::forget_home();
+    }
+}
 
 #[cfg(feature = "cudarc")]
 pub use self::cudarc::CudarcUse;

@@ -398,11 +398,10 @@ pub mod hook {
         }
     }
 
-    /// Makes the calling thread look new to the crate (for a test that reuses its threads
-    /// where it would start new ones): it is not listed as parked, no unpark of an earlier use
-    /// is pending for it, and its next acquisition picks its home shard as a new thread's would.
-    /// Call it where the thread would have been started, with nothing of the crate's in use on it.
-    pub fn fresh_thread() {
+    /// The synchronisation layer's part of `__model_hooks::fresh_thread` (in `lib.rs`, which
+    /// adds the pool's): the thread is not listed as parked and no unpark of an earlier use is
+    /// pending for it.
+    pub(crate) fn fresh_thread_sync() {
         let me = std::thread::current().id();
         {
             let mut l = parked_list();
@@ -411,7 +410,6 @@ pub mod hook {
         }
         // (A token left by an unpark of an earlier use: a new thread has none.)
         std::thread::park_timeout(std::time::Duration::ZERO);
-        crate::pool::forget_home();
     }
 
     /// Whether thread `t` is parked without a timeout inside the crate right now (a blocking
