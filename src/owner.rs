@@ -582,8 +582,12 @@ impl Future for OwnerReady {
         }
         let ci = &owner.ctx.inner;
         if let Some(e) = ci.fault(false) {
-            // A dead context hands out nothing, as `CtxInner::acquire` (R7-1).
-            this.ticket = None;
+            // A dead context hands out nothing, as `CtxInner::acquire` (R7-1). A queued waiter
+            // leaves as failed: it passes its turn on (dropped as cancelled, it could pass
+            // nothing, and the waiters behind it slept for ever: a hang CI saw once).
+            if let Some(t) = this.ticket.take() {
+                t.failed();
+            }
             this.owner = None;
             return Poll::Ready(Err(e));
         }

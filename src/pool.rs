@@ -1010,7 +1010,7 @@ impl Ticket {
     }
 
     /// Leaves the queue with an error.
-    fn failed(mut self) {
+    pub(crate) fn failed(mut self) {
         self.leaving = Leaving::Failed;
     }
 }

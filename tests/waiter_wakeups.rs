@@ -178,3 +178,37 @@ fn a_waiter_is_served_by_a_stream_returned_from_a_cancelled_waiters_mailbox() {
     );
     drop(first);
 }
+
+// Pins a hang CI saw once (`device_faults::sim_a_faulted_context_resolves_every_future_and_waiter`):
+// an async waiter that met a known death at its poll dropped its place in the queue as if
+// cancelled, passing on nothing, and the waiters behind it slept for ever.
+/// A queued async waiter that returns the context's death passes its turn on: the next waiter
+/// is woken (and meets the error itself).
+#[test]
+fn a_waiter_that_meets_the_death_wakes_the_next_one() {
+    let (sim, ctx) = capped(1);
+    let holder = ctx.owner();
+    holder.stream().unwrap();
+    let (c0, w0) = waker();
+    let (c1, w1) = waker();
+    let mut first = Box::pin(ctx.owner().ready());
+    let mut second = Box::pin(ctx.owner().ready());
+    assert!(poll(first.as_mut(), &w0).is_pending());
+    assert!(poll(second.as_mut(), &w1).is_pending());
+    sim.kill_context(ctx.raw(), FAULT);
+    assert!(ctx.health().is_err(), "the death is known now");
+    let woken = c1.0.load(Ordering::SeqCst);
+    match poll(first.as_mut(), &w0) {
+        Poll::Ready(Err(e)) => assert_eq!(e.code(), Some(FAULT), "{e}"),
+        other => panic!("the first waiter: {:?}", other.map(|r| r.map(|_| ()))),
+    }
+    assert!(
+        c1.0.load(Ordering::SeqCst) > woken,
+        "the waiter behind it was not woken"
+    );
+    match poll(second.as_mut(), &w1) {
+        Poll::Ready(Err(e)) => assert_eq!(e.code(), Some(FAULT), "{e}"),
+        other => panic!("the second waiter: {:?}", other.map(|r| r.map(|_| ()))),
+    }
+    let _ = c0;
+}
