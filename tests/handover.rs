@@ -228,3 +228,28 @@ fn work_through_the_handle_of_last_use_is_seen_before_the_hand_over() {
         same && busy
     );
 }
+
+/// A buffer whose last use was on a stream handed on because a resolved completion showed its
+/// work complete is freed on the disposal stream with no wait: correct on the GPU (the host saw
+/// the marker land after that work), and the simulation's race detector must agree (the host
+/// read of a landed `cuStreamWriteValue64` word is an observation of the work before it).
+/// Regression: CI's `the_sanitizer_stress_passes_without_gates` reported this free as a race.
+#[test]
+fn a_free_after_a_hand_over_seen_through_a_completion_is_no_race() {
+    let (sim, ctx) = sim();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let buf = DeviceBuffer::<u32>::zeroed(&s, 1 << 12).unwrap(); // an async memset on s
+    let done = s.completed().unwrap();
+    common::block_on(done).unwrap();
+    drop(s);
+    sim.clear_calls();
+    drop(o);
+    let next = ctx.owner();
+    next.stream().unwrap();
+    assert_eq!(queries(&sim), 0, "handed on without a query: {:?}", sim.calls());
+    drop(buf);
+    drop(next);
+    ctx.synchronize().unwrap();
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}

@@ -18,9 +18,9 @@
 //! * Freeing host memory that a pending write or wait still targets, and a write or wait that
 //!   lands in freed memory, are misuse.
 //!
-//! Limit: the host reading a word written by the stream is not a host observation of the
-//! stream's work for the race detector (as with host functions, see streams.rs); the crate's
-//! buffer uses order themselves with events, so it does not depend on it.
+//! * A landed write is a host observation of the work before it for the race detector (see
+//!   streams.rs): the crate's completion hub reads such words and then hands a stream on without
+//!   a query, and the frees that follow on the disposal stream are ordered by that read.
 
 use super::*;
 use std::alloc::Layout;

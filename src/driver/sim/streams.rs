@@ -17,6 +17,11 @@
 //!   complete; every operation enqueued later joins the host clock. The memory module uses these
 //!   clocks to find unordered accesses (races), whatever the simulated durations are.
 //!
+//!   A `cuStreamWriteValue64` landing in host memory is a host observation when it lands: the
+//!   host may read the word from then on, and reading it shows the work before the write
+//!   complete (the write is fenced behind that work). Forgiving only for code that would act on
+//!   the completion without reading the word.
+//!
 //!   Limits of the model: a host function's completion is not a host observation (code that
 //!   learns of completion only through a callback is reported, where the real driver would have
 //!   ordered it); the legacy default stream's implicit synchronization with blocking streams is
@@ -490,7 +495,12 @@ impl SimDriver {
                     }
                 }
             }
-            OpKind::WriteValue { addr, value } => Self::land_write(st, addr, value),
+            OpKind::WriteValue { addr, value } => {
+                Self::land_write(st, addr, value);
+                // The host may read the word from now on, and a host that reads it has seen
+                // everything before the write complete (the write is fenced behind it).
+                Self::host_observes(st, &op.vc);
+            }
             OpKind::WaitValue { addr, .. } => {
                 if st.host_mem.host_addr(addr, 4).is_none() {
                     Self::note_misuse(
