@@ -247,7 +247,12 @@ fn a_free_after_a_hand_over_seen_through_a_completion_is_no_race() {
     drop(o);
     let next = ctx.owner();
     next.stream().unwrap();
-    assert_eq!(queries(&sim), 0, "handed on without a query: {:?}", sim.calls());
+    assert_eq!(
+        queries(&sim),
+        0,
+        "handed on without a query: {:?}",
+        sim.calls()
+    );
     drop(buf);
     drop(next);
     ctx.synchronize().unwrap();
