@@ -19,7 +19,8 @@ LAYERS = [
     "hub",         # the completion hub: host-mapped flags, the poller thread, staging memory
     "pool",        # streams, slots, shards, the cap's gate
     "retry",       # the context's lists of work kept for a later attempt
-    "context",     # the registry: options, pools, teardown
+    "registry",    # one state per (driver, CUDA context): weak references by key
+    "context",     # the state of a context: options, pools, teardown
     "stream",      # StreamRef, OwnedStream
     "owner",       # owners, priorities, async acquisition
     "memory",      # DeviceBuffer and its uses

@@ -8,6 +8,7 @@ use crate::driver::{
 };
 use crate::error::{Error, Result};
 use crate::pool::{destroy_idle, Loan, Mode, Pool, PoolStats, Slot};
+use crate::registry::{Key, Registry};
 use crate::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -232,6 +233,9 @@ pub struct ContextOptions {
     /// The most streams alive at once per (priority, flags) key; `None`: no cap (the default).
     /// `Some(0)` is refused.
     pub max_live_streams_per_key: Option<usize>,
+    /// A state of its own, shared with nobody (default `false`: the process's one state of the
+    /// (driver, CUDA context) is joined, or made and shared; see [`Context`]).
+    pub isolated: bool,
 }
 
 impl ContextOptions {
@@ -266,12 +270,37 @@ impl ContextOptions {
         self.max_live_streams_per_key = cap;
         self
     }
+
+    /// With `true`, the state made is the caller's alone: it does not join the process's shared
+    /// state of the context, and nobody joins it (its own pools, cap, memory pool, poller). For
+    /// a library that must not share its cap or streams; two states of one context cannot use
+    /// each other's buffers.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context, ContextOptions};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let shared = Context::primary(drv.clone(), 0).unwrap();
+    /// let mine = Context::primary_with(drv, 0, ContextOptions::default().isolated(true)).unwrap();
+    /// assert_ne!(shared, mine);
+    /// assert_eq!(shared.raw(), mine.raw());   // one CUDA context, two states
+    /// ```
+    #[must_use]
+    pub fn isolated(mut self, isolated: bool) -> Self {
+        self.isolated = isolated;
+        self
+    }
 }
+
+/// The process's joinable states (see [`Context`]).
+static STATES: Registry<CtxInner> = Registry::new();
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 
 use crate::hostfn::on_host_fn_thread;
 use crate::retry::RetryList;
+
+/// What keeps an adopted context alive (see [`Context::adopt`]).
+type KeepAlive = Box<dyn std::any::Any + Send + Sync>;
 
 /// A stream whose holder is gone while its loan is out: its pool (`None` for an
 /// `OwnedStream`'s) and its slot.
@@ -335,8 +364,9 @@ pub(crate) struct CtxInner {
     /// Host memory that a copy may still read or write after the wait for it failed: kept until
     /// that stream generation's work is known to be complete (leaked if that never happens).
     kept_host: RetryList<KeptHost>,
-    /// What keeps an adopted context alive (another crate's handle), dropped after teardown.
-    _keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// What keeps an adopted context alive (other crates' handles: one per adoption that made
+    /// or joined this state), dropped after teardown.
+    keep_alive: Mutex<Vec<KeepAlive>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
     /// Set on a state that lingers because its teardown could not switch to relaxed mode: the
@@ -367,10 +397,47 @@ pub(crate) struct CtxInner {
 /// let ctx = Context::primary(drv, 0).unwrap();
 /// assert_eq!(ctx.priority_range().least, 0);
 /// ```
+///
+/// ## One state per (driver, CUDA context)
+///
+/// The process has at most one shared state per driver object and CUDA context: every
+/// [`Context::primary`], [`Context::adopt`] and `Context::from_cudarc` of the same context
+/// through the same driver object joins it while it lives (two libraries of one process share
+/// its streams, cap and memory pool, and each can use the other's buffers). The real driver
+/// is one object per process ([`crate::driver::load`] returns the same one every time); each
+/// simulation is a driver object of its own. A state is equal (`==`) to its clones and to
+/// the joins of it, and to nothing else.
+///
+/// * Options: the `*_with` constructors join only a state made with the same options (else
+///   [`Error::InvalidArgument`]); the others join whatever options it has. A state made with
+///   [`ContextOptions::isolated`] is the caller's alone.
+/// * A state whose context is dead ([`Context::health`]) is not joined: the next user gets a
+///   new state (which fails if the context is still dead).
+/// * Adoptions that join keep what they pass to keep the context alive for as long as the state
+///   lives.
+///
+/// ```
+/// use cuda_stream_pool::{driver, Context, DeviceBuffer};
+/// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+/// let lib_a = Context::primary(drv.clone(), 0).unwrap();
+/// let lib_b = Context::primary(drv, 0).unwrap();     // another library of the process
+/// assert_eq!(lib_a, lib_b);
+/// let (oa, ob) = (lib_a.owner(), lib_b.owner());
+/// let buf = DeviceBuffer::from_slice(&oa.stream().unwrap(), &[1u32, 2]).unwrap();
+/// assert_eq!(buf.to_vec(&ob.stream().unwrap()).unwrap(), vec![1, 2]); // one state: usable
+/// ```
 #[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<CtxInner>,
 }
+
+impl PartialEq for Context {
+    fn eq(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Eq for Context {}
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -383,14 +450,17 @@ impl std::fmt::Debug for Context {
 }
 
 impl Context {
-    /// The primary context of device `ordinal`, retained for as long as this state lives.
-    /// Every call makes a new state (its own pools), even for the same device.
+    /// The state of device `ordinal`'s primary context, which it retains for as long as it
+    /// lives: the process's shared state of (`driver`, that context) when there is one, with
+    /// whatever options it was made with, else a new one (with the default options), shared
+    /// from now on (see [`Context`]).
     ///
     /// ```
     /// use cuda_stream_pool::{driver, Context};
     /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
     /// let ctx = Context::primary(drv.clone(), 0).unwrap();
     /// assert_eq!(ctx.device(), drv.device_get(0).unwrap());
+    /// assert_eq!(Context::primary(drv.clone(), 0).unwrap(), ctx);  // the same state
     /// assert!(Context::primary(drv, 1).is_err());     // the simulation has one device
     /// ```
     ///
@@ -400,34 +470,135 @@ impl Context {
     /// [`Error::InvalidArgument`] when the driver reports an unusable priority range (reversed,
     /// or wider than 1024).
     pub fn primary(driver: Arc<dyn Driver>, ordinal: i32) -> Result<Context> {
-        Self::primary_with(driver, ordinal, ContextOptions::default())
+        Self::primary_opt(driver, ordinal, None)
     }
 
-    /// [`Context::primary`] with options (see [`ContextOptions`]).
+    /// [`Context::primary`] with options (see [`ContextOptions`]): the shared state when its
+    /// options are these, a new one (shared from now on) when there is none, or a state of the
+    /// caller's alone with [`ContextOptions::isolated`].
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context, ContextOptions};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let ctx = Context::primary_with(drv.clone(), 0, ContextOptions::server()).unwrap();
+    /// assert_eq!(Context::primary_with(drv.clone(), 0, ContextOptions::server()).unwrap(), ctx);
+    /// assert_eq!(Context::primary(drv.clone(), 0).unwrap(), ctx);   // joins, whatever the options
+    /// let e = Context::primary_with(drv, 0, ContextOptions::unbounded()).unwrap_err();
+    /// assert!(e.to_string().contains("options"), "{e}");             // a conflict
+    /// ```
     ///
     /// # Errors
-    /// As [`Context::primary`]; [`Error::InvalidArgument`] for a cap of 0; the driver's error
-    /// when the crate's memory pool cannot be created ([`MemPoolChoice::Own`]).
+    /// As [`Context::primary`]; [`Error::InvalidArgument`] for a cap of 0, or when the shared
+    /// state of the context was made with other options; the driver's error when the crate's
+    /// memory pool cannot be created ([`MemPoolChoice::Own`]).
     pub fn primary_with(
         driver: Arc<dyn Driver>,
         ordinal: i32,
         options: ContextOptions,
     ) -> Result<Context> {
+        Self::primary_opt(driver, ordinal, Some(options))
+    }
+
+    /// [`Context::primary_with`]; `None`: any options of a shared state, the default for a new
+    /// one.
+    fn primary_opt(
+        driver: Arc<dyn Driver>,
+        ordinal: i32,
+        options: Option<ContextOptions>,
+    ) -> Result<Context> {
+        let opts = options.unwrap_or_default();
+        let driver_key = Arc::as_ptr(&driver) as *const () as usize;
         // Every call, `cuInit` included, goes through the device rules (refused on a
         // host-function thread before anything is touched).
         let rules = Self::device_layer(driver);
         rules.init()?;
         let device = rules.device_get(ordinal)?;
         let raw = rules.primary_ctx_retain(device)?;
+        let key = Key {
+            driver: driver_key,
+            ctx: raw.0,
+        };
+        if !opts.isolated {
+            let (found, later) = STATES.find(key, CtxInner::joinable);
+            drop(later);
+            if let Some(inner) = found {
+                // The shared state holds its own retain.
+                // SAFETY: retained just above, once; nothing of ours uses it.
+                driver::tries(|| unsafe { rules.primary_ctx_release(device) });
+                return Self::join(inner, options, None);
+            }
+        }
         rules.hook.set_context(raw);
-        match Self::build(rules.clone(), raw, device, true, None, options) {
-            Ok(c) => Ok(c),
+        match Self::build(rules.clone(), raw, device, true, opts) {
+            Ok(c) => Self::share(key, c, options),
             Err(e) => {
                 rules.hook.set_context(driver::Context::NULL);
                 // SAFETY: retained just above, once; nothing uses it (the build failed).
                 driver::tries(|| unsafe { rules.primary_ctx_release(device) });
                 Err(e)
             }
+        }
+    }
+
+    /// The shared state of (`driver`, `raw`) if there is one and `wanted` accepts it, joined
+    /// (with `options` checked as [`Context::primary_with`] does) without adding anything to
+    /// it: for an adoption whose keep-alive the state holds already.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn shared_if(
+        driver: &Arc<dyn Driver>,
+        raw: driver::Context,
+        options: Option<ContextOptions>,
+        wanted: impl Fn(&CtxInner) -> bool,
+    ) -> Option<Result<Context>> {
+        let key = Key {
+            driver: Arc::as_ptr(driver) as *const () as usize,
+            ctx: raw.0,
+        };
+        let (found, later) = STATES.find(key, |s| s.joinable() && wanted(s));
+        drop(later);
+        found.map(|inner| Self::join(inner, options, None))
+    }
+
+    /// A new user of a shared state: refused when it asked for other options than the state's;
+    /// what keeps its context alive is kept with the state's.
+    fn join(
+        inner: Arc<CtxInner>,
+        options: Option<ContextOptions>,
+        keep_alive: Option<KeepAlive>,
+    ) -> Result<Context> {
+        if let Some(o) = options {
+            if o != inner.options {
+                let e = Error::invalid(format!(
+                    "the context's shared state was made with other options ({:?}) than these \
+                     ({o:?}): ask for it without options (Context::primary, Context::adopt), \
+                     with the same ones, or make a state of your own \
+                     (ContextOptions::isolated)",
+                    inner.options
+                ));
+                // `keep_alive` and `inner` are dropped after the error is made (a last clone of
+                // the state tears it down here, under no lock).
+                return Err(e);
+            }
+        }
+        if let Some(k) = keep_alive {
+            inner.keep_alive.lock().push(k);
+        }
+        Ok(Context { inner })
+    }
+
+    /// Shares a state just made (unless it is isolated): registers it, or, when another thread
+    /// registered one for the same context meanwhile, joins that one and drops this one.
+    fn share(key: Key, made: Context, options: Option<ContextOptions>) -> Result<Context> {
+        if made.inner.options.isolated {
+            return Ok(made);
+        }
+        let (inner, registered, later) = STATES.register(key, made.inner, CtxInner::joinable);
+        // Outside the registry's lock: the state that lost the race is torn down here.
+        drop(later);
+        if registered {
+            Ok(Context { inner })
+        } else {
+            Self::join(inner, options, None)
         }
     }
 
@@ -471,10 +642,11 @@ impl Context {
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Context> {
         // SAFETY: the caller's contract.
-        unsafe { Self::adopt_with(driver, raw, keep_alive, ContextOptions::default()) }
+        unsafe { Self::adopt_opt(driver, raw, keep_alive, None) }
     }
 
-    /// [`Context::adopt`] with options.
+    /// [`Context::adopt`] with options (joining a shared state as
+    /// [`Context::primary_with`] does).
     ///
     /// # Safety
     /// As [`Context::adopt`].
@@ -487,14 +659,48 @@ impl Context {
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
         options: ContextOptions,
     ) -> Result<Context> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::adopt_opt(driver, raw, keep_alive, Some(options)) }
+    }
+
+    /// [`Context::adopt_with`]; `None`: any options of a shared state, the default for a new
+    /// one.
+    ///
+    /// # Safety
+    /// As [`Context::adopt`].
+    unsafe fn adopt_opt(
+        driver: Arc<dyn Driver>,
+        raw: driver::Context,
+        keep_alive: Option<KeepAlive>,
+        options: Option<ContextOptions>,
+    ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
+        }
+        let opts = options.unwrap_or_default();
+        let key = Key {
+            driver: Arc::as_ptr(&driver) as *const () as usize,
+            ctx: raw.0,
+        };
+        if !opts.isolated {
+            let (found, later) = STATES.find(key, CtxInner::joinable);
+            drop(later);
+            if let Some(inner) = found {
+                return Self::join(inner, options, keep_alive);
+            }
         }
         let rules = Self::device_layer(driver);
         // The caller guarantees `raw` is live: calls are made in it from now on.
         rules.hook.set_context(raw);
         let device = rules.ctx_get_device()?;
-        Self::build(rules, raw, device, false, keep_alive, options)
+        let made = Self::build(rules, raw, device, false, opts)?;
+        // What keeps the context alive goes with the state that is used (this one, or the one
+        // another thread shared meanwhile).
+        let ctx = Self::share(key, made, options)?;
+        if let Some(k) = keep_alive {
+            ctx.inner.keep_alive.lock().push(k);
+        }
+        Ok(ctx)
     }
 
     /// The driver of a new state: `driver` behind the device rules (driver/rules.rs).
@@ -512,7 +718,6 @@ impl Context {
         raw: driver::Context,
         device: Device,
         primary: bool,
-        keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
         options: ContextOptions,
     ) -> Result<Context> {
         reap_lingering();
@@ -593,7 +798,7 @@ impl Context {
                 orphans: RetryList::new(),
                 lent: RetryList::new(),
                 kept_host: RetryList::new(),
-                _keep_alive: keep_alive,
+                keep_alive: Mutex::new(Vec::new()),
                 torn_down: false,
                 retry_teardown: false,
                 health,
@@ -1037,7 +1242,7 @@ impl CtxInner {
                 world: self.rules.inner.world(),
                 ctx: self.raw,
                 device: self.device,
-                maybe_primary: self.primary || self._keep_alive.is_some(),
+                maybe_primary: self.primary || !self.keep_alive.lock().is_empty(),
             };
             let health = self.health.clone();
             crate::hub::Hub::new(home, Box::new(move |probe| health.fault(probe)))
@@ -1245,10 +1450,20 @@ impl CtxInner {
         }
     }
 
-    /// What keeps an adopted context alive (see [`Context::adopt`]).
+    /// The first of what keeps an adopted context alive (see [`Context::adopt`]) for which
+    /// `f` answers; `f` runs under the list's lock (crate code only).
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
-    pub(crate) fn keep_alive(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
-        self._keep_alive.as_deref()
+    pub(crate) fn find_keep_alive<R>(
+        &self,
+        f: impl Fn(&(dyn std::any::Any + Send + Sync)) -> Option<R>,
+    ) -> Option<R> {
+        self.keep_alive.lock().iter().find_map(|k| f(&**k))
+    }
+
+    /// Whether a new user may join this state: its context is not known dead (a dead context's
+    /// state is left to its users; a new user gets a new state).
+    fn joinable(&self) -> bool {
+        self.health.fault.get().is_none()
     }
 
     /// [`CtxInner::order`] for raw streams (e.g. another crate's).
@@ -1655,7 +1870,7 @@ impl CtxInner {
             orphans: self.orphans.take_list(),
             lent: self.lent.take_list(),
             kept_host: self.kept_host.take_list(),
-            _keep_alive: self._keep_alive.take(),
+            keep_alive: Mutex::new(std::mem::take(self.keep_alive.get_mut())),
             torn_down: false,
             retry_teardown: false,
             health: self.health.clone(),

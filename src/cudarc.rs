@@ -63,7 +63,7 @@ impl Context {
     /// The loader's error when libcuda cannot be used; the driver's (cudarc's, with its code)
     /// when the context cannot be adopted.
     pub fn from_cudarc(cu: &Arc<CudaContext>) -> Result<Context> {
-        Self::from_cudarc_with(cu, ContextOptions::default())
+        Self::from_cudarc_opt(cu, None)
     }
 
     /// Opens device `ordinal` through cudarc and adopts its context: `(cudarc's context, this
@@ -112,7 +112,29 @@ impl Context {
     /// # Errors
     /// As [`Context::from_cudarc`] and [`Context::primary_with`].
     pub fn from_cudarc_with(cu: &Arc<CudaContext>, options: ContextOptions) -> Result<Context> {
+        Self::from_cudarc_opt(cu, Some(options))
+    }
+
+    /// [`Context::from_cudarc_with`]; `None`: any options of a shared state.
+    fn from_cudarc_opt(cu: &Arc<CudaContext>, options: Option<ContextOptions>) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
+        let raw = driver::Context::from(cu.cu_ctx());
+        // Already shared and keeping this cudarc context (and its keeper stream): joined as it
+        // is, so that adopting again and again adds nothing.
+        let keeps_cu = |s: &crate::context::CtxInner| {
+            s.find_keep_alive(|k| {
+                k.downcast_ref::<CudarcKeep>()
+                    .filter(|k| Arc::ptr_eq(&k._ctx, cu))
+                    .map(|_| ())
+            })
+            .is_some()
+        };
+        let isolated = options.is_some_and(|o| o.isolated);
+        if !isolated {
+            if let Some(joined) = Context::shared_if(&drv, raw, options, keeps_cu) {
+                return joined;
+            }
+        }
         // cudarc synchronizes in `new_stream`: in relaxed mode, so that no capture of any
         // thread is invalidated.
         let stream = {
@@ -123,18 +145,21 @@ impl Context {
             _stream: stream,
             _ctx: cu.clone(),
         };
-        let raw = driver::Context::from(cu.cu_ctx());
+        let keep: Option<Box<dyn std::any::Any + Send + Sync>> = Some(Box::new(keep));
         // SAFETY: `raw` is cudarc's live context, loaded from the same libcuda; the
         // `Arc<CudaContext>` in `keep` keeps it alive until this state's teardown is over.
-        unsafe { Context::adopt_with(drv, raw, Some(Box::new(keep)), options) }
+        unsafe {
+            match options {
+                Some(o) => Context::adopt_with(drv, raw, keep, o),
+                None => Context::adopt(drv, raw, keep),
+            }
+        }
     }
 
     /// The cudarc context this state was adopted from ([`Context::from_cudarc`]), if any.
     pub fn cudarc_context(&self) -> Option<Arc<CudaContext>> {
         self.inner
-            .keep_alive()
-            .and_then(|k| k.downcast_ref::<CudarcKeep>())
-            .map(|k| k._ctx.clone())
+            .find_keep_alive(|k| k.downcast_ref::<CudarcKeep>().map(|k| k._ctx.clone()))
     }
 }
 

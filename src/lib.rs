@@ -234,6 +234,7 @@ mod memory;
 mod owner;
 mod pinned;
 mod pool;
+mod registry;
 mod retry;
 mod stream;
 mod sync;

@@ -895,7 +895,9 @@ pub enum Choice {
 }
 
 /// Opens a driver as `choice` asks; with [`Choice::Auto`], the error that made it fall back to the
-/// simulation is returned beside it.
+/// simulation is returned beside it. The real driver is opened once per process: every later
+/// call returns the same object, so that [`crate::Context`]s of one CUDA context made by
+/// independent users share one state. Each [`Choice::Sim`] is a new simulation.
 ///
 /// ```
 /// use cuda_stream_pool::driver::{self, Choice};
@@ -905,6 +907,9 @@ pub enum Choice {
 /// }
 /// let (sim, none) = driver::load(Choice::Sim).unwrap();
 /// assert_eq!((sim.kind(), none), ("sim", None));
+/// if let Ok((cuda, _)) = driver::load(Choice::Cuda) {
+///     assert!(std::sync::Arc::ptr_eq(&cuda, &driver::load(Choice::Cuda).unwrap().0));
+/// }
 /// ```
 ///
 /// # Errors
@@ -912,7 +917,12 @@ pub enum Choice {
 /// [`crate::Error::MissingSymbol`] when it lacks `cuInit` or `cuDeviceGetCount`, the driver's
 /// error from those calls, or `CUDA_ERROR_NO_DEVICE` when it sees no device.
 pub fn load(choice: Choice) -> Result<(Arc<dyn Driver>, Option<crate::Error>)> {
+    /// The process's real driver, once it opened with a device.
+    static REAL: std::sync::OnceLock<Arc<dyn Driver>> = std::sync::OnceLock::new();
     let real = || -> Result<Arc<dyn Driver>> {
+        if let Some(d) = REAL.get() {
+            return Ok(d.clone());
+        }
         let d = CudaDriver::open()?;
         d.init()?;
         if d.device_count()? < 1 {
@@ -921,7 +931,9 @@ pub fn load(choice: Choice) -> Result<(Arc<dyn Driver>, Option<crate::Error>)> {
                 "cuDeviceGetCount",
             ));
         }
-        Ok(Arc::new(d))
+        // Two threads may both open it: one object is kept, the other closed.
+        let d: Arc<dyn Driver> = Arc::new(d);
+        Ok(REAL.get_or_init(|| d).clone())
     };
     match choice {
         Choice::Cuda => Ok((real()?, None)),
