@@ -362,9 +362,11 @@ struct Env {
 }
 
 impl Env {
-    /// A context of the same driver and device (adopted from cudarc's when cudarc is used, so
-    /// that its streams can be lent to cudarc).
+    /// A state of its own of the same driver and device (adopted from cudarc's when cudarc is
+    /// used, so that its streams can be lent to cudarc): isolated, so that what a worker leaks
+    /// or holds in it never counts against the shared state's cap.
     fn new_context(&self, opts: ContextOptions) -> R<Context> {
+        let opts = opts.isolated(true);
         #[cfg(feature = "cudarc")]
         if let Some(c) = &self.cudarc {
             return Context::from_cudarc_with(&c.cu, opts).at("Context::from_cudarc_with");
@@ -375,7 +377,8 @@ impl Env {
     /// A leaky context (see [`Worker::leaky`]).
     fn new_leaky_context(&self) -> R<Context> {
         match &self.leak_sim {
-            Some(ls) => Context::primary_with(ls.clone(), 0, self.opts).at("Context::primary_with"),
+            Some(ls) => Context::primary_with(ls.clone(), 0, self.opts.isolated(true))
+                .at("Context::primary_with"),
             None => self.new_context(self.opts),
         }
     }
@@ -1709,7 +1712,8 @@ pub fn run(cfg: &Config) -> R<Summary> {
                  allocations, modules, graphs, execs): {left:?}; {cn:?}"
             );
             // Teardowns that wait for ended loans complete at a later call of the crate.
-            drop(Context::primary(sim.clone(), 0).at("Context::primary")?);
+            let isolated = ContextOptions::default().isolated(true);
+            drop(Context::primary_with(sim.clone(), 0, isolated).at("Context::primary_with")?);
             std::thread::sleep(Duration::from_millis(1));
         }
         // The leaky contexts' simulation: only the allocations filled in leaked captures are

@@ -657,7 +657,7 @@ impl Wake for DropsOther {
 }
 
 // HELD: nested teardowns. A dropped completion of context A (its entry pending with the poller)
-// has a waker that holds the last clone of context B (same driver, same primary context). A is
+// has a waker that holds the last clone of context B (same driver, same primary context, an isolated state). A is
 // dropped: its teardown stops the poller (which hands back the pending entry), drains the
 // streams (the write lands), and finishes the entry in `Hub::shutdown` on the dropping thread:
 // the waker drops B there, whose teardown runs inside A's. No deadlock, nothing left.
@@ -668,7 +668,9 @@ fn held_a_teardown_that_runs_a_waker_dropping_another_last_context() {
     finishes("the nested teardowns", move || {
         let sim = s2;
         let a = Context::primary(sim.clone(), 0).unwrap();
-        let b = Context::primary(sim.clone(), 0).unwrap();
+        // A state of its own (a shared one would be `a`, which the waker would then keep).
+        let isolated = ContextOptions::default().isolated(true);
+        let b = Context::primary_with(sim.clone(), 0, isolated).unwrap();
         {
             let o = b.owner();
             let s = o.stream().unwrap();

@@ -27,7 +27,10 @@ fn use_and_drop_then(
     sim: &SimDriver,
     wait: bool,
 ) -> cuda_stream_pool::Result<()> {
-    let ctx = Context::primary(d.clone(), 0)?;
+    // A state of its own: its teardown is what shelves the block (a shared state of the
+    // context, e.g. a long-lived keeper's or a leaked one's, would be joined and live on).
+    let isolated = cuda_stream_pool::ContextOptions::default().isolated(true);
+    let ctx = Context::primary_with(d.clone(), 0, isolated)?;
     let before = common::primary_releases(sim);
     let r = (|| {
         let owner = ctx.owner();
