@@ -141,6 +141,14 @@ pub enum Error {
     InvalidArgument(String),
     /// The operation is not allowed while the stream is being captured into a graph.
     CaptureInProgress(String),
+    /// The pool of a (priority, flags) key is at its cap of live streams, or other owners wait
+    /// for it, and the caller asked not to wait ([`crate::Owner::try_stream`]).
+    AtCap {
+        /// The key's priority.
+        priority: i32,
+        /// The key's cap ([`crate::ContextOptions::max_live_streams_per_key`]).
+        cap: usize,
+    },
 }
 
 impl Error {
@@ -198,6 +206,11 @@ impl fmt::Display for Error {
             Error::MissingSymbol(e) => e.fmt(f),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::CaptureInProgress(m) => write!(f, "not allowed during stream capture: {m}"),
+            Error::AtCap { priority, cap } => write!(
+                f,
+                "the pool of priority {priority} is at its cap of {cap} live streams (or owners \
+                 wait for it): wait with Owner::ready().await or Owner::stream"
+            ),
         }
     }
 }

@@ -165,16 +165,44 @@ impl Owner {
     ///
     /// With a cap on live streams ([`crate::ContextOptions`]), the owner's first stream may have
     /// to wait for another owner to give one back: the thread parks (first come, first served).
-    /// In async code use [`Owner::ready`] first, which waits without blocking the thread. An
-    /// owner that already holds a stream never waits.
+    /// In async code use [`Owner::ready`] first, which waits without blocking the thread (a
+    /// parked worker of a one-thread runtime waits for ever), or [`Owner::try_stream`], which
+    /// never waits. An owner that already holds a stream never waits.
     ///
     /// # Errors
     /// The driver's error when a stream has to be created and cannot be; at the cap on a
     /// host-function thread (which must not wait), [`Error::InvalidArgument`].
     pub fn stream(&self) -> Result<StreamRef<'_>> {
+        self.stream_in(Mode::Wait)
+    }
+
+    /// [`Owner::stream`] without waiting: when the owner's first stream would wait at the cap
+    /// (the key is at its cap, or other owners wait for it and are served first),
+    /// [`Error::AtCap`] at once. For code that must not block a thread (async code without
+    /// [`Owner::ready`], a latency-bound path); never waits, with or without a cap.
+    ///
+    /// ```
+    /// use cuda_stream_pool::{driver, Context, ContextOptions, Error};
+    /// let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
+    /// let ctx = Context::primary_with(drv, 0, opts).unwrap();
+    /// let first = ctx.owner();
+    /// let _s = first.try_stream().unwrap();                   // under the cap
+    /// let second = ctx.owner();
+    /// assert!(matches!(second.try_stream(), Err(Error::AtCap { cap: 1, .. })));
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::AtCap`]; otherwise as [`Owner::stream`].
+    pub fn try_stream(&self) -> Result<StreamRef<'_>> {
+        self.stream_in(Mode::Try)
+    }
+
+    /// [`Owner::stream`]; `first` is the mode of the owner's first stream's acquisition.
+    fn stream_in(&self, first: Mode) -> Result<StreamRef<'_>> {
         loop {
             let p = self.inner.borrow().current;
-            self.hold(p)?;
+            self.hold(p, first)?;
             let mut inner = self.inner.borrow_mut();
             if inner.current != p {
                 // User code run by the acquisition selected another priority: that one's.
@@ -217,7 +245,7 @@ impl Owner {
     /// teardowns), which may use this very owner (it may be the thread's implicit owner): the
     /// owner's state is not borrowed meanwhile. A stream of `p` that such code took for the owner
     /// in the meantime is kept, and the one acquired here given back.
-    fn hold(&self, p: i32) -> Result<()> {
+    fn hold(&self, p: i32, first: Mode) -> Result<()> {
         let mode = {
             let inner = self.inner.borrow();
             if inner.find(p).is_some() {
@@ -227,7 +255,7 @@ impl Owner {
             // no waiting owner holds a stream and waits cannot form a cycle (see
             // `ContextOptions`).
             if inner.held.is_empty() {
-                Mode::Wait
+                first
             } else {
                 Mode::Bypass
             }
@@ -379,7 +407,7 @@ impl Owner {
                      capturing"
                 )));
             }
-            self.hold(value)?;
+            self.hold(value, Mode::Wait)?;
         }
         let mut inner = self.inner.borrow_mut();
         if inner.current == value {

@@ -625,6 +625,9 @@ pub(crate) enum Mode {
     /// Never wait; an error when the key is at its cap (a host-function thread, which must not
     /// block).
     Fail,
+    /// Never wait and never pass a queued waiter: [`crate::Error::AtCap`] when the key is at its
+    /// cap or a waiter is queued ([`crate::Owner::try_stream`]).
+    Try,
 }
 
 /// What wakes a waiter: a parked thread or an async task.
@@ -1100,9 +1103,20 @@ impl Pool {
         mode: Mode,
     ) -> Result<(Arc<Slot>, u64)> {
         let g = &self.gate;
+        let at_cap = || crate::Error::AtCap {
+            priority: self.priority,
+            cap: g.cap,
+        };
+        if mode == Mode::Try && g.waiting.load(Ordering::SeqCst) > 0 {
+            // First come, first served: a waiter queued before this try is served first.
+            return Err(at_cap());
+        }
         if mode != Mode::Wait || g.waiting.load(Ordering::SeqCst) == 0 {
             if let Some(found) = self.attempt(driver, mode == Mode::Bypass)? {
                 return Ok(found);
+            }
+            if mode == Mode::Try {
+                return Err(at_cap());
             }
             if mode == Mode::Fail {
                 return Err(crate::Error::invalid(format!(

@@ -564,3 +564,41 @@ fn a_waiter_served_from_its_mailbox_passes_on_what_came_back() {
     drop((o0, o1, o2));
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+// `Owner::try_stream` (issue 21: async code that must not park its worker at the cap): at the
+// cap it fails at once with `Error::AtCap`; it never passes a queued waiter (first come, first
+// served, also when a stream comes back while the waiter has not polled again); once nobody
+// waits and a stream is free, it succeeds. An owner that holds a stream already tries nothing.
+#[test]
+fn try_stream_fails_at_the_cap_and_never_passes_a_queued_waiter() {
+    let (sim, ctx) = capped(1);
+    let a = ctx.owner();
+    let sa = a.try_stream().unwrap();
+    let c = ctx.owner();
+    let e = c.try_stream().unwrap_err();
+    assert!(
+        matches!(e, cuda_stream_pool::Error::AtCap { cap: 1, .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("cap of 1"), "{e}");
+    let mut w = Waiters::new(&ctx, 1);
+    assert!(w.poll(0).is_none(), "the waiter queues");
+    drop(sa);
+    drop(a);
+    sim.advance(0);
+    // The stream that came back is the waiter's, though it has not polled since.
+    assert!(
+        matches!(c.try_stream(), Err(cuda_stream_pool::Error::AtCap { .. })),
+        "try_stream took the stream of a queued waiter"
+    );
+    let b = w.poll(0).expect("the waiter is served");
+    let sb = b.stream().unwrap();
+    assert!(c.try_stream().is_err(), "B holds the only stream");
+    drop(sb);
+    drop(b);
+    sim.advance(0);
+    let sc = c.try_stream().expect("free, nobody waits");
+    // Holding one, it is a plain `stream()`.
+    assert_eq!(c.try_stream().unwrap().raw(), sc.raw());
+    assert_eq!(ctx.stats().over_cap, 0);
+}
