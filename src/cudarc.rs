@@ -21,6 +21,20 @@
 //! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
 //! mode carry no events: cudarc does not order them across streams (as with its own
 //! `new_stream`); allocate them afterwards, or order them yourself.
+//!
+//! What [`Context::from_cudarc`] changes of cudarc's context, for the whole process: it creates
+//! one cudarc stream and holds it while the state lives, so cudarc is in multi-stream mode from
+//! then on (its `new_stream` synchronizes the context the first time: in relaxed capture mode
+//! here, so no capture of any thread is invalidated). Nothing else: not the current context of
+//! any thread, not the device's memory pool, not event tracking.
+//!
+//! With cudarc's event tracking disabled (`CudaContext::disable_event_tracking`, an `unsafe`
+//! call whose contract makes ordering slices across streams the caller's job) cudarc orders
+//! none of its slices across the pooled streams either: that stays the caller's job, as with
+//! cudarc's own streams. What the crate guarantees does not depend on it: a lent stream is
+//! never handed to another owner while cudarc holds it (so a slice's free on it never lands on
+//! someone else's stream), and [`CudarcUse`] orders the crate's buffers itself (tested with
+//! tracking off in `tests/cudarc_interop.rs` on the GPU).
 
 use crate::context::{Context, ContextOptions};
 use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice, Driver};

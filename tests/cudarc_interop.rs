@@ -145,6 +145,50 @@ fn cudarc_launch_on_another_owners_stream_is_a_use() {
     assert!(v.iter().all(|&e| e == 5.0), "{}", v[0]);
 }
 
+/// With cudarc's event tracking disabled (issue 21: cudarc then orders none of its slices
+/// across streams), the crate's buffers are still ordered: launches that alternate between two
+/// owners' lent streams, and one on a stream of cudarc's own, each see the previous one's
+/// result.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn with_cudarc_event_tracking_off_the_crates_buffers_stay_ordered() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    // SAFETY: no cudarc slice of this test crosses streams; the crate orders its own buffers.
+    unsafe { cu.disable_event_tracking() };
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 20;
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    let buf = DeviceBuffer::<f32>::zeroed(&sa, n).unwrap();
+    let other = cu.new_stream().unwrap();
+    for round in 1..=6 {
+        let s = if round % 2 == 0 { &sa } else { &sb };
+        let cs = if round == 6 {
+            other.clone()
+        } else {
+            s.cudarc_stream().unwrap()
+        };
+        let u = buf.cudarc_use(s).unwrap();
+        let (p, record) = u.device_ptr(&cs);
+        // SAFETY: csp_add_one_f32 on the buffer's n floats, in use while `u` lives; `record`
+        // is dropped after the launch.
+        unsafe {
+            cs.launch_builder(&f)
+                .arg(&p)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+        drop(record);
+    }
+    let v = buf.to_vec(&sb).unwrap();
+    assert!(v.iter().all(|&e| e == 6.0), "{}", v[0]);
+    // SAFETY: as above.
+    unsafe { cu.enable_event_tracking() };
+}
+
 // Regression: issue 19 defect 3 (dropping the Context turned off cudarc's cross-stream ordering while lent streams are in use)
 /// cudarc orders a slice's free after its uses on other streams only in its multi-stream mode,
 /// which the state's keeper stream turns on. With the `Context` dropped while two streams are
