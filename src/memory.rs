@@ -368,6 +368,11 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             .checked_mul(std::mem::size_of::<T>())
             .filter(|b| *b > 0)
             .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
+        // Rounded up to whole 4-byte words, so that a 32-bit memset can zero any buffer
+        // (`DeviceBuffer::zeroed`) without a host copy.
+        let padded = bytes
+            .checked_next_multiple_of(4)
+            .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
         stream.not_capturing("allocating")?;
         let ci = &stream.ctx.inner;
         // One scope for the retried frees and the allocation (relaxed mode once).
@@ -382,9 +387,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // after its last use.
         let ptr = unsafe {
             if ci.own_pool {
-                d.mem_alloc_from_pool_async(bytes, ci.mem_pool, stream.slot.enqueue())
+                d.mem_alloc_from_pool_async(padded, ci.mem_pool, stream.slot.enqueue())
             } else {
-                d.mem_alloc_async(bytes, stream.slot.enqueue())
+                d.mem_alloc_async(padded, stream.slot.enqueue())
             }
         }?;
         Ok(DeviceBuffer {
@@ -418,15 +423,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// As [`DeviceBuffer::alloc`]; the driver's error for the memset.
     pub fn zeroed(stream: &StreamRef<'_>, len: usize) -> Result<Self> {
         let mut b = Self::alloc(stream, len)?;
-        let bytes = b.core.bytes;
-        if bytes % 4 == 0 {
-            b.memset32(stream, 0)?;
-        } else {
-            let zeros = vec![0u8; bytes];
-            // SAFETY: `zeros` outlives the call, which synchronizes before returning.
-            unsafe { b.enqueue_copy_in(stream, &zeros) }?;
-            stream.synchronize()?;
-        }
+        // Every size: the allocation is padded to whole words (`alloc`). No host copy, no wait.
+        let words = b.core.bytes.div_ceil(4);
+        b.memset_words(stream, 0, words)?;
         Ok(b)
     }
 
@@ -609,17 +608,25 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     fn memset32(&mut self, stream: &StreamRef<'_>, word: u32) -> Result<()> {
+        let words = self.core.bytes / 4;
+        self.memset_words(stream, word, words)
+    }
+
+    /// Sets the first `words` 32-bit words of the allocation to `word` on `stream`; `words` is
+    /// at most `bytes.div_ceil(4)` (the allocation is padded to whole words: `alloc`).
+    fn memset_words(&mut self, stream: &StreamRef<'_>, word: u32, words: usize) -> Result<()> {
+        debug_assert!(words <= self.core.bytes.div_ceil(4));
         let u = self.use_on(stream)?;
-        // SAFETY: the allocation holds `bytes / 4` words (callers check `bytes % 4 == 0`), kept
-        // alive and ordered by `u`; the stream is held (live). A memset into a capture becomes
-        // a node, and the capture keeps the buffer (registered by `use_on`).
+        // SAFETY: the allocation holds `bytes.div_ceil(4)` words (`alloc` pads it), of which
+        // `words` are set; kept alive and ordered by `u`; the stream is held (live). A memset
+        // into a capture becomes a node, and the capture keeps the buffer (registered by
+        // `use_on`).
         unsafe {
-            self.core.ctx.inner.driver.memset_d32_async(
-                u.ptr(),
-                word,
-                self.core.bytes / 4,
-                stream.slot.enqueue(),
-            )
+            self.core
+                .ctx
+                .inner
+                .driver
+                .memset_d32_async(u.ptr(), word, words, stream.slot.enqueue())
         }
     }
 

@@ -424,3 +424,38 @@ fn a_failed_wait_never_frees_memory_a_copy_still_targets() {
     assert_eq!(ctx.pending(), 0);
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+// Issue 21: `zeroed` of a size that is not a whole number of 4-byte words (u8, u16, f16 of odd
+// length) used to stage a host buffer, copy it and synchronize. The allocation is now padded to
+// whole words and zeroed with one memset: no copy, no wait, on the buffer's stream.
+#[test]
+fn zeroed_of_any_size_is_one_memset_without_a_copy_or_a_wait() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d, 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    // Dirty memory first, so that zeros are written, not found.
+    drop(DeviceBuffer::from_slice(&s, &[0xffu8; 7]).unwrap());
+    for len in [1usize, 2, 3, 5, 7] {
+        sim.clear_calls();
+        let b = DeviceBuffer::<u8>::zeroed(&s, len).unwrap();
+        let names: Vec<_> = sim.calls().iter().map(|c| c.name).collect();
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.contains("Memcpy") || n.contains("Synchronize")),
+            "len {len}: {names:?}"
+        );
+        assert_eq!(
+            names
+                .iter()
+                .filter(|n| n.starts_with("cuMemsetD32"))
+                .count(),
+            1
+        );
+        assert_eq!(b.to_vec(&s).unwrap(), vec![0u8; len]);
+        let h = DeviceBuffer::<u16>::zeroed(&s, len).unwrap();
+        assert_eq!(h.to_vec(&s).unwrap(), vec![0u16; len]);
+    }
+}
