@@ -978,3 +978,66 @@ fn an_adoption_right_after_the_context_died_is_refused() {
         Err(e) => assert!(e.is_sticky(), "{e}"),
     }
 }
+
+// HELD: first users with conflicting options race to make the state (primary and adoptions,
+// with keep-alives): those with the winner's options share its state, the others get the
+// options error (the states they made meanwhile torn down), every keep-alive is dropped once,
+// nothing is left.
+#[test]
+fn racing_first_users_with_conflicting_options_leave_one_state_and_nothing_else() {
+    for round in 0..20 {
+        let (sim, d) = sim();
+        let env = common::Env::new(&d);
+        let raw = env.ctx;
+        let n = 4;
+        let barrier = Arc::new(Barrier::new(n));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..n)
+            .map(|i| {
+                let (d, barrier) = (d.clone(), barrier.clone());
+                let k = Keep {
+                    sim: sim.clone(),
+                    dropped: dropped.clone(),
+                    streams_at_drop: Arc::new(AtomicUsize::new(0)),
+                };
+                std::thread::spawn(move || {
+                    let o = if i % 2 == 0 {
+                        ContextOptions::server()
+                    } else {
+                        ContextOptions::unbounded()
+                    };
+                    barrier.wait();
+                    let r = if (i + round) % 3 == 0 {
+                        drop(k);
+                        Context::primary_with(d, 0, o)
+                    } else {
+                        // SAFETY: `env` keeps `raw` retained until the end of the round.
+                        unsafe { Context::adopt_with(d, raw, Some(Box::new(k)), o) }
+                    };
+                    (o, r)
+                })
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let ok: Vec<&Context> = results
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().ok())
+            .collect();
+        assert!(!ok.is_empty(), "nobody got a state");
+        assert!(ok.iter().all(|c| *c == ok[0]), "two shared states");
+        for (o, r) in &results {
+            match r {
+                Ok(c) => assert_eq!(c.options(), *o),
+                Err(e) => {
+                    assert!(e.to_string().contains("other options"), "{e}");
+                    assert_ne!(ok[0].options(), *o);
+                }
+            }
+        }
+        drop(ok);
+        drop(results);
+        assert_eq!(dropped.load(Ordering::SeqCst), n, "round {round}");
+        drop(env);
+        assert_nothing_left(&sim, &format!("round {round}"));
+    }
+}
