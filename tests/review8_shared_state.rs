@@ -70,7 +70,7 @@ struct Keep {
 }
 
 impl Keep {
-    fn new(sim: &Arc<SimDriver>) -> (Box<dyn std::any::Any + Send + Sync>, Arc<AtomicUsize>) {
+    fn boxed(sim: &Arc<SimDriver>) -> (Box<dyn std::any::Any + Send + Sync>, Arc<AtomicUsize>) {
         let dropped = Arc::new(AtomicUsize::new(0));
         let k = Keep {
             sim: sim.clone(),
@@ -132,7 +132,7 @@ fn a_primary_join_of_an_adopted_state_keeps_the_primary_context_retained() {
 fn an_adoption_that_joins_a_primary_state_keeps_its_keep_alive_until_after_the_teardown() {
     let (sim, d) = sim();
     let p = Context::primary(d.clone(), 0).unwrap();
-    let (k, dropped) = Keep::new(&sim);
+    let (k, dropped) = Keep::boxed(&sim);
     let at_drop = {
         let k: &Keep = k.downcast_ref().unwrap();
         k.streams_at_drop.clone()
@@ -214,13 +214,15 @@ fn a_primary_join_refused_for_its_options_releases_its_retain() {
     assert_nothing_left(&sim, "after refused joins");
 }
 
-// DEFECT: the state's own driver (`Context::driver`, the same driver behind the context's
-// device rules) is a driver object of its own for the registry: `Context::primary(ctx.driver()
-// .clone(), 0)` (a library handed a `Context` asking for "its" context again) makes a second
-// state of the same context, with a cap, pools and memory pool of its own, and the device rules
-// stacked twice; buffers of one cannot be used on the other's streams. Fix: key the registry on
-// the innermost driver when the driver passed is the crate's own device-rules wrapper (or
-// document that `ctx.driver()` is not the driver to pass).
+// DEFECT (minor): the state's own driver (`Context::driver`, the same driver behind the
+// context's device rules) is a driver object of its own for the registry: `Context::primary(
+// ctx.driver().clone(), 0)` (a library handed a `Context` asking for "its" context again) makes a
+// second state of the same context, with a cap, pools and memory pool of its own, and the device
+// rules stacked twice; buffers of one cannot be used on the other's streams. The registry keys on
+// the driver object's address, where the pinned shelves key on `Driver::world()` (which the rules
+// wrapper, every `Hooked` and every instance of the real driver forward or share). Fix: key the
+// registry on `driver.world()` (or at least unwrap the crate's own rules wrapper), or document
+// that `ctx.driver()` is not a driver to pass.
 #[test]
 fn a_join_through_the_contexts_own_driver_gets_the_same_state() {
     let (_sim, d) = sim();
@@ -440,8 +442,8 @@ fn a_keep_alive_whose_drop_joins_the_same_context_again_does_not_deadlock() {
     assert_nothing_left(&sim, "a re-entering keep-alive");
 }
 
-// HELD: a waker run by the completion poller joins the state (and another a new one later) and
-// drops it there; the last user's drop on the poller's thread is handed off: no deadlock, no
+// HELD: a waker run by the completion poller joins the state (it gets the live one) and drops
+// its join and the state's last clone there; the last user's drop on the poller's thread is handed off: no deadlock, no
 // teardown on the poller's thread, balanced.
 #[test]
 fn a_poller_waker_that_joins_the_context_does_not_deadlock_or_tear_down_there() {
@@ -551,7 +553,7 @@ fn a_dead_context_is_not_joined_and_leaves_no_retain() {
     let e = Context::primary(d.clone(), 0).unwrap_err();
     assert!(e.is_sticky(), "{e}");
     assert_eq!(ok_calls(&sim, "cuDevicePrimaryCtxRetain"), retains);
-    let (k, dropped) = Keep::new(&sim);
+    let (k, dropped) = Keep::boxed(&sim);
     // SAFETY: `a` retains the (dead) context; nothing runs in it.
     match unsafe { Context::adopt(d.clone(), a.raw(), Some(k)) } {
         Ok(b) => panic!("adopted a dead context: {b:?} (same state: {})", b == a),
@@ -698,7 +700,7 @@ fn isolated_states_are_never_joined_nor_registered() {
     assert_ne!(i1, s);
     let i2 = Context::primary_with(d.clone(), 0, iso).unwrap();
     assert!(i2 != s && i2 != i1);
-    let (k, dropped) = Keep::new(&sim);
+    let (k, dropped) = Keep::boxed(&sim);
     // SAFETY: `s` retains the context for longer than the isolated adoption lives.
     let i3 = unsafe { Context::adopt_with(d.clone(), s.raw(), Some(k), iso) }.unwrap();
     assert!(i3 != s && i3 != i1 && i3 != i2);
@@ -718,8 +720,11 @@ fn isolated_states_are_never_joined_nor_registered() {
 // keep-alive holds (another crate's context handle, cudarc's keeper *stream* for each new
 // `CudaContext`: `from_cudarc` only dedups the same `Arc`) stays alive until the process's last
 // user of the state is gone. Before the change each adoption's keep-alive went with its own
-// state. Fix: keep a joiner's keep-alive only if the state keeps nothing alive yet
-// (`!inner.primary && keep_alive.is_empty()`); otherwise drop it after the join, under no lock.
+// state. Fix: for plain adoptions, keep a joiner's keep-alive only if the state keeps nothing
+// alive yet (`!inner.primary && keep_alive.is_empty()`), otherwise drop it after the join under
+// no lock; cudarc's keeper (one per `CudaContext`, for its multi-stream mode) should rather live
+// as long as that joiner's `Context` clones (a per-join token the clones carry, dropped after
+// `inner` so that a last user's teardown still runs first).
 #[test]
 fn repeated_adoptions_of_a_held_state_do_not_accumulate_keep_alives() {
     let (sim, d) = sim();
@@ -910,7 +915,7 @@ fn a_failure_at_any_call_of_an_adoption_drops_its_keep_alive_once() {
             let (sim, d) = sim();
             let env = common::Env::new(&d);
             let keep = shared.then(|| Context::primary(d.clone(), 0).unwrap());
-            let (k, dropped) = Keep::new(&sim);
+            let (k, dropped) = Keep::boxed(&sim);
             sim.fail_nth_call(n, ErrorCode::ERROR_UNKNOWN);
             // SAFETY: `env` keeps the primary context retained until the end of the iteration.
             let r = unsafe { Context::adopt(d.clone(), env.ctx, Some(k)) };
@@ -938,8 +943,8 @@ fn a_failure_at_any_call_of_an_adoption_drops_its_keep_alive_once() {
 fn an_adopted_created_context_is_shared_by_its_adopters_only() {
     let (sim, d) = sim();
     let raw = sim.create_context(Device(0)).unwrap();
-    let (k1, d1) = Keep::new(&sim);
-    let (k2, d2) = Keep::new(&sim);
+    let (k1, d1) = Keep::boxed(&sim);
+    let (k2, d2) = Keep::boxed(&sim);
     // SAFETY: `raw` is destroyed only after both states and everything made from them.
     let a = unsafe { Context::adopt(d.clone(), raw, Some(k1)) }.unwrap();
     // SAFETY: as above.
