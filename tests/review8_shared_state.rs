@@ -1,7 +1,12 @@
 //! Review 8 of the shared states (commit 9e2f745, `src/registry.rs`): attacks on one state per
 //! (driver, CUDA context). Each test asserts the behaviour the crate's contract promises; those
 //! marked `DEFECT` fail on the code reviewed, those marked `HELD` pass and are kept as evidence.
-//! Simulated driver.
+//! Simulated driver (the pausing wrapper of `tests/common/pausing.rs` for exact interleavings).
+//!
+//! Defects: a `Context::primary` join of an adopted state holds no retain; repeated adoptions
+//! accumulate keep-alives; users of a shared state share each thread's implicit owner; the
+//! context's own driver (`Context::driver`) makes a second state; an adoption right after the
+//! context died joins the dead state.
 
 mod common;
 #[path = "common/pausing.rs"]
@@ -570,6 +575,7 @@ fn a_dead_context_is_not_joined_and_leaves_no_retain() {
 // and nothing behind.
 #[test]
 fn a_failure_at_any_call_of_primary_leaves_retains_balanced() {
+    let mut failed = 0;
     for shared in [false, true] {
         for n in 1..40 {
             let (sim, d) = sim();
@@ -578,9 +584,15 @@ fn a_failure_at_any_call_of_primary_leaves_retains_balanced() {
             sim.fail_nth_call(n, ErrorCode::ERROR_UNKNOWN);
             let r = Context::primary(d.clone(), 0);
             sim.clear_faults();
+            assert_eq!(
+                sim.thread_state(),
+                (cuda_stream_pool::driver::Context::NULL, CaptureMode::Global),
+                "shared {shared}, fault at call {n}: the thread's state"
+            );
             if let (Ok(c), Some(k)) = (&r, &keep) {
                 assert_eq!(c, k);
             }
+            failed += usize::from(r.is_err());
             let r2 = Context::primary_with(d.clone(), 0, ContextOptions::unbounded());
             drop((r, r2, keep));
             let (rt, rl) = (
@@ -596,6 +608,10 @@ fn a_failure_at_any_call_of_primary_leaves_retains_balanced() {
             );
         }
     }
+    assert!(
+        failed >= 5,
+        "the faults hit no call of Context::primary ({failed})"
+    );
 }
 
 // ---- thread state and captures ---------------------------------------------------------------
@@ -910,6 +926,7 @@ fn a_user_arriving_at_the_teardowns_release_gets_a_new_retained_state() {
 // succeeded joined or made the one state.
 #[test]
 fn a_failure_at_any_call_of_an_adoption_drops_its_keep_alive_once() {
+    let mut failed = 0;
     for shared in [false, true] {
         for n in 1..30 {
             let (sim, d) = sim();
@@ -918,12 +935,19 @@ fn a_failure_at_any_call_of_an_adoption_drops_its_keep_alive_once() {
             let (k, dropped) = Keep::boxed(&sim);
             sim.fail_nth_call(n, ErrorCode::ERROR_UNKNOWN);
             // SAFETY: `env` keeps the primary context retained until the end of the iteration.
+            let before = sim.thread_state();
             let r = unsafe { Context::adopt(d.clone(), env.ctx, Some(k)) };
             sim.clear_faults();
+            assert_eq!(
+                sim.thread_state(),
+                before,
+                "shared {shared}, fault at call {n}"
+            );
             if let (Ok(c), Some(k)) = (&r, &keep) {
                 assert_eq!(c, k);
             }
             let ok = r.is_ok();
+            failed += usize::from(!ok);
             drop((r, keep));
             assert_eq!(
                 dropped.load(Ordering::SeqCst),
@@ -934,6 +958,10 @@ fn a_failure_at_any_call_of_an_adoption_drops_its_keep_alive_once() {
             assert_nothing_left(&sim, &format!("shared {shared}, fault at call {n}"));
         }
     }
+    assert!(
+        failed >= 3,
+        "the faults hit no call of an adoption ({failed})"
+    );
 }
 
 // HELD: a context that is not the primary one (made by its creator, adopted by two libraries):
