@@ -563,6 +563,54 @@ fn host_mapped_write_and_wait(d: &Arc<dyn Driver>) {
     }
 }
 
+/// A copy to the device from page-locked host memory (`cuMemHostAlloc`) reads its source when
+/// it runs, not when it is enqueued: the driver stages only pageable memory. Changing the
+/// source after the enqueue and before the copy runs (the stream held by a GPU-side wait on a
+/// host word) changes what lands. The crate's staged uploads depend on it: their staging block
+/// must not be reused before the copy ran (`DeviceBuffer::copy_from_host_staged`).
+fn pinned_copy_reads_its_source_when_it_runs(d: &Arc<dyn Driver>) {
+    use cuda_stream_pool::driver::{host_alloc_flags, WaitValue};
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live;
+    // the host memory is freed after the stream was synchronized (nothing reads it then).
+    unsafe {
+        let e = Env::new(d);
+        let s = e.stream();
+        let host = d
+            .mem_host_alloc(
+                4096,
+                host_alloc_flags::DEVICEMAP | host_alloc_flags::PORTABLE,
+            )
+            .unwrap();
+        let gate = &*(host as *const AtomicU32);
+        let src = host.add(256) as *mut u32;
+        for i in 0..64 {
+            src.add(i).write_volatile(1);
+        }
+        let dev = d.mem_host_get_device_pointer(host).unwrap();
+        let buf = d.mem_alloc_async(256, s).unwrap();
+        d.stream_wait_value32(s, dev, 1, WaitValue::Geq).unwrap();
+        d.memcpy_htod_async(buf, src as *const u8, 256, s).unwrap();
+        assert!(
+            !d.stream_query(s).unwrap(),
+            "the copy waits behind the gate"
+        );
+        for i in 0..64 {
+            src.add(i).write_volatile(2);
+        }
+        gate.store(1, Ordering::Release);
+        let v = read_u32(&**d, buf, 64, s);
+        assert_eq!(
+            v,
+            vec![2; 64],
+            "the copy read its source when it was enqueued"
+        );
+        d.mem_free_async(buf, s).unwrap();
+        d.stream_synchronize(s).unwrap();
+        d.stream_destroy(s).unwrap();
+        d.mem_free_host(host).unwrap();
+    }
+}
+
 /// `cuDevicePrimaryCtxGetState` reports a retained primary context as active, and asking
 /// does not retain it (the crate asks before it would retain: a retain activates an inactive
 /// one).
@@ -606,4 +654,5 @@ on_both_drivers! {
     alloc_and_free_inside_capture,
     mem_pool_release_threshold,
     host_mapped_write_and_wait,
+    pinned_copy_reads_its_source_when_it_runs,
 }

@@ -219,6 +219,15 @@ impl SimDriver {
                 dst: *dst,
                 data: data.clone(),
             },
+            Effect::HtoDPinned {
+                dst,
+                host_dev,
+                bytes,
+            } => Effect::HtoDPinned {
+                dst: *dst,
+                host_dev: *host_dev,
+                bytes: *bytes,
+            },
             Effect::DtoH { dst, src, bytes } => Effect::DtoH {
                 dst: *dst,
                 src: *src,

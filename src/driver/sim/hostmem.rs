@@ -55,6 +55,14 @@ impl HostMem {
         (off + len <= a.bytes).then_some(a.addr + off)
     }
 
+    /// The device address of `len` bytes at host address `host`, when they lie in a live
+    /// allocation.
+    pub(super) fn dev_addr(&self, host: usize, len: usize) -> Option<u64> {
+        let (base, dev) = self.by_host.range(..=host).next_back()?;
+        let off = host - base;
+        (off + len <= self.by_dev[dev].bytes).then_some(dev + off as u64)
+    }
+
     /// The current 32-bit word at device address `dev`.
     pub(super) fn load32(&self, dev: u64) -> Option<u32> {
         let h = self.host_addr(dev, 4)?;
@@ -152,13 +160,18 @@ impl SimDriver {
                 OpKind::WriteValue { addr, .. } | OpKind::WaitValue { addr, .. } => {
                     (dev..end).contains(&addr)
                 }
+                OpKind::Effect(Effect::HtoDPinned { host_dev, .. }) => {
+                    (dev..end).contains(&host_dev)
+                }
                 _ => false,
             })
         });
         if pending {
             Self::note_misuse(
                 &mut st,
-                format!("host memory {h:#x} freed while a stream write or wait on it is pending"),
+                format!(
+                    "host memory {h:#x} freed while a stream write, wait or copy on it is pending"
+                ),
             );
         }
         // SAFETY: allocated by `do_mem_host_alloc` with this layout; removed from the maps, so

@@ -65,6 +65,15 @@ pub(super) enum Effect {
         dst: u64,
         data: Vec<u8>,
     },
+    /// A copy from page-locked host memory (`cuMemHostAlloc`): the GPU reads the source when
+    /// the copy runs, not when it is enqueued (the driver stages only pageable memory), so the
+    /// source must stay allocated and unchanged until then. `host_dev` is the source's
+    /// simulated device address (the host allocation's key), read through the live map.
+    HtoDPinned {
+        dst: u64,
+        host_dev: u64,
+        bytes: usize,
+    },
     DtoH {
         dst: usize,
         src: u64,
@@ -209,7 +218,7 @@ impl Effect {
             Effect::Access { write: true, .. } => "sim:access (write)".into(),
             Effect::Access { write: false, .. } => "sim:access (read)".into(),
             Effect::Memset { .. } => "cuMemsetD32Async".into(),
-            Effect::HtoD { .. } => "cuMemcpyHtoDAsync".into(),
+            Effect::HtoD { .. } | Effect::HtoDPinned { .. } => "cuMemcpyHtoDAsync".into(),
             Effect::DtoH { .. } => "cuMemcpyDtoHAsync".into(),
             Effect::Free { .. } => "cuMemFreeAsync".into(),
             Effect::GraphAlloc { .. } => "graph allocation node".into(),
@@ -226,6 +235,7 @@ impl Effect {
             }
             Effect::Memset { ptr, count, .. } => vec![(*ptr, count * 4, Mode::Write)],
             Effect::HtoD { dst, data } => vec![(*dst, data.len(), Mode::Write)],
+            Effect::HtoDPinned { dst, bytes, .. } => vec![(*dst, *bytes, Mode::Write)],
             Effect::DtoH { src, bytes, .. } => vec![(*src, *bytes, Mode::Read)],
             Effect::Kernel { k, args } => match k {
                 Kernel::AddOneF32 | Kernel::AddU32 => {
@@ -456,6 +466,25 @@ impl SimDriver {
                     m.copy_from_slice(data)
                 }
             }
+            Effect::HtoDPinned {
+                dst,
+                host_dev,
+                bytes,
+            } => match st.host_mem.host_addr(*host_dev, *bytes) {
+                None => st.misuse.push(format!(
+                    "use-after-free: cuMemcpyHtoDAsync read page-locked host memory \
+                     {host_dev:#x} ({bytes} bytes) after it was freed"
+                )),
+                Some(h) => {
+                    // SAFETY: `h` is `bytes` bytes inside a live `cuMemHostAlloc` allocation
+                    // (`host_addr` checked the range against the live map).
+                    let data =
+                        unsafe { std::slice::from_raw_parts(h as *const u8, *bytes) }.to_vec();
+                    if let Some(m) = mem(st, *dst, *bytes) {
+                        m.copy_from_slice(&data)
+                    }
+                }
+            },
             Effect::DtoH { dst, src, bytes } => {
                 if let Some(m) = mem(st, *src, *bytes) {
                     // SAFETY: `memcpy_dtoh_async`'s contract keeps `dst` valid for `bytes`

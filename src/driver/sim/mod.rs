@@ -1202,14 +1202,25 @@ unsafe impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         self.copy_context(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         Self::check_range(&mut st, dst.0, bytes, "cuMemcpyHtoDAsync_v2")?;
-        // SAFETY: the caller guarantees `src` is readable for `bytes`; the simulation copies the
-        // source at once (as the driver stages pageable memory), so it needs no longer life.
-        let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
         let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        // Page-locked memory of `cuMemHostAlloc` is read when the copy runs (as the GPU's DMA
+        // does); any other source is copied at once, as the driver stages pageable memory.
+        let effect = match st.host_mem.dev_addr(src as usize, bytes) {
+            Some(host_dev) => Effect::HtoDPinned {
+                dst: dst.0,
+                host_dev,
+                bytes,
+            },
+            None => {
+                // SAFETY: the caller guarantees `src` is readable for `bytes`.
+                let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
+                Effect::HtoD { dst: dst.0, data }
+            }
+        };
         self.enqueue(
             &mut st,
             stream,
-            OpKind::Effect(Effect::HtoD { dst: dst.0, data }),
+            OpKind::Effect(effect),
             dur,
             "cuMemcpyHtoDAsync_v2",
         )
