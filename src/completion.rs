@@ -256,4 +256,105 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             }
         }
     }
+
+    /// Copies `src` into the buffer on `stream` without waiting and without `unsafe`: `src` is
+    /// first copied into pinned staging memory of the context (a host `memcpy`), the copy to
+    /// the device is enqueued from there, and the staging memory goes back to the context once
+    /// that copy has completed. `src` may be changed or dropped as soon as this returns; the
+    /// copy is a use of the buffer (ordered after its previous use, recorded), so work that
+    /// uses the buffer afterwards, on any stream, sees the new contents.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let mut b = DeviceBuffer::<u16>::zeroed(&s, 3).unwrap();
+    /// let mut src = vec![4u16, 5, 6];
+    /// b.copy_from_host_staged(&s, &src).unwrap();   // returns at once
+    /// src.clear();                                   // no longer needed by the copy
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![4, 5, 6]);
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lengths differ; [`Error::CaptureInProgress`] while
+    /// the stream is capturing (nothing is enqueued); as [`DeviceBuffer::use_on`]; the driver's
+    /// error (for the staging memory, the copy, or its completion).
+    pub fn copy_from_host_staged(&mut self, stream: &StreamRef<'_>, src: &[T]) -> Result<()> {
+        if src.len() != self.len() {
+            return Err(Error::invalid(format!(
+                "copy_from_host_staged: {} host elements for a buffer of {}",
+                src.len(),
+                self.len()
+            )));
+        }
+        stream.not_capturing("copying from host memory")?;
+        let ctx = stream.context();
+        let hub = ctx.inner.hub();
+        // The staging allocation runs relaxed, the context current: the device rules.
+        let _scope = ctx.inner.scope();
+        let bytes = std::mem::size_of_val(src);
+        let staging = hub.staging(bytes)?;
+        // SAFETY: the staging block holds at least `bytes` bytes (size class >= bytes,
+        // page-aligned, so aligned for T), is pinned memory of the hub that nobody else uses
+        // while taken; `src` is `bytes` bytes of plain data (DeviceCopy).
+        let data = unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr() as *const u8,
+                staging.addr as *mut u8,
+                bytes,
+            );
+            std::slice::from_raw_parts(staging.addr as *const T, src.len())
+        };
+        // SAFETY: `data` (the staging block) stays valid and unchanged until the copy has
+        // completed: it goes back to the hub only after the completion enqueued behind the
+        // copy landed, or after a synchronize of the stream, or never (kept below).
+        if let Err(e) = unsafe { self.copy_from_host_async(stream, data) } {
+            // Nothing was enqueued (the copy call failed): the block can be reused.
+            hub.return_staging(staging);
+            return Err(e);
+        }
+        match stream.completed() {
+            Ok(done) => {
+                // Given back by the poller once the copy landed (at once if it has).
+                hub.return_when_landed(&done.entry, staging);
+                Ok(())
+            }
+            Err(e) => {
+                // The copy is enqueued but no completion could be: wait for it (ordered), or
+                // keep the block until the stream's work is known complete.
+                if stream.synchronize().is_ok() {
+                    hub.return_staging(staging);
+                    Ok(())
+                } else {
+                    let kept = hub.detach_staging(staging);
+                    ctx.inner
+                        .keep_host(&stream.slot, stream.gen, Box::new(kept));
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// Allocates on `stream` and copies `data` in through staging memory, without waiting (see
+    /// [`DeviceBuffer::copy_from_host_staged`]); [`DeviceBuffer::from_slice`] waits for the copy.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver, Context, DeviceBuffer};
+    /// # let (drv, _) = driver::load(driver::Choice::Sim).unwrap();
+    /// # let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::from_slice_staged(&s, &[1.5f32, 2.5]).unwrap();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![1.5, 2.5]);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::alloc`] and [`DeviceBuffer::copy_from_host_staged`].
+    pub fn from_slice_staged(stream: &StreamRef<'_>, data: &[T]) -> Result<Self> {
+        let mut b = Self::alloc(stream, data.len())?;
+        b.copy_from_host_staged(stream, data)?;
+        Ok(b)
+    }
 }

@@ -459,3 +459,44 @@ fn zeroed_of_any_size_is_one_memset_without_a_copy_or_a_wait() {
         assert_eq!(h.to_vec(&s).unwrap(), vec![0u16; len]);
     }
 }
+
+// Issue 21: a safe upload that does not wait. `copy_from_host_staged` copies the host data into
+// pinned staging memory and returns before the device copy runs: the caller's vector may be
+// overwritten at once, and a staging block is not reused while a copy from it is pending (two
+// uploads of one size behind a busy stream each land their own data).
+#[test]
+fn a_staged_upload_neither_waits_nor_reuses_its_staging_before_the_copy_ran() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d, 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let mut a = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    let mut b = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    sim.advance(0);
+    sim.enqueue_work(s.raw(), 1_000).unwrap(); // the copies wait behind this
+    sim.clear_calls();
+    let mut src = vec![1u32; 64];
+    a.copy_from_host_staged(&s, &src).unwrap();
+    src.fill(2); // the caller's memory is free again
+    b.copy_from_host_staged(&s, &src).unwrap();
+    drop(src);
+    let names: Vec<_> = sim.calls().iter().map(|c| c.name).collect();
+    assert!(
+        !names.iter().any(|n| n.contains("Synchronize")),
+        "{names:?}"
+    );
+    let other = ctx.owner();
+    let t = other.stream().unwrap();
+    sim.advance(1_000);
+    assert_eq!(a.to_vec(&t).unwrap(), vec![1; 64]);
+    assert_eq!(b.to_vec(&t).unwrap(), vec![2; 64]);
+    // Wrong lengths and captures are refused before anything is enqueued.
+    assert!(a.copy_from_host_staged(&s, &[0; 3]).is_err());
+    let g = s.begin_capture().unwrap();
+    assert!(matches!(
+        a.copy_from_host_staged(&s, &[0; 64]),
+        Err(Error::CaptureInProgress(_))
+    ));
+    drop(g);
+}
