@@ -302,6 +302,9 @@ use crate::retry::RetryList;
 /// What keeps an adopted context alive (see [`Context::adopt`]).
 type KeepAlive = Box<dyn std::any::Any + Send + Sync>;
 
+/// Whether a state's keep-alives lack a joiner's (see [`Context::join`]).
+type Needed<'a> = &'a dyn Fn(&[KeepAlive]) -> bool;
+
 /// A stream whose holder is gone while its loan is out: its pool (`None` for an
 /// `OwnedStream`'s) and its slot.
 type Parked = (Option<Arc<Pool>>, Arc<Slot>);
@@ -429,6 +432,24 @@ pub(crate) struct CtxInner {
 #[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<CtxInner>,
+    /// Which user of the state this is: every constructor call that makes or joins a state is
+    /// a user of its own (its clones are the same user). The thread's implicit owner and
+    /// attached owners are per user, so that two libraries sharing a state never share the
+    /// thread's stream, its priority or its captures.
+    pub(crate) user: u64,
+}
+
+/// The next [`Context::user`].
+static NEXT_USER: AtomicU64 = AtomicU64::new(1);
+
+impl Context {
+    /// A new user of `inner`.
+    fn user_of(inner: Arc<CtxInner>) -> Context {
+        Context {
+            inner,
+            user: NEXT_USER.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl PartialEq for Context {
@@ -519,10 +540,9 @@ impl Context {
             ctx: raw.0,
         };
         if !opts.isolated {
-            let (found, later) = STATES.find(key, CtxInner::joinable);
-            drop(later);
-            if let Some(inner) = found {
-                // The shared state holds its own retain.
+            if let Some(inner) = Self::find_live(key) {
+                // Every shared state keeps its context alive by itself (its own retain, or an
+                // adopter's keep-alive: states adopted without one are not shared).
                 // SAFETY: retained just above, once; nothing of ours uses it.
                 driver::tries(|| unsafe { rules.primary_ctx_release(device) });
                 return Self::join(inner, options, None);
@@ -556,15 +576,34 @@ impl Context {
         };
         let (found, later) = STATES.find(key, |s| s.joinable() && wanted(s));
         drop(later);
-        found.map(|inner| Self::join(inner, options, None))
+        let inner = found?;
+        if inner.fault(true).is_some() {
+            return None;
+        }
+        Some(Self::join(inner, options, None))
     }
 
-    /// A new user of a shared state: refused when it asked for other options than the state's;
-    /// what keeps its context alive is kept with the state's.
+    /// The live shared state of `key`, if its context is not dead: asked of the driver (a query
+    /// of the state's disposal stream), outside the registry's lock, so that a context that
+    /// died a moment ago is not joined (the dead state is dropped here, under no lock).
+    fn find_live(key: Key) -> Option<Arc<CtxInner>> {
+        let (found, later) = STATES.find(key, CtxInner::joinable);
+        drop(later);
+        let inner = found?;
+        if inner.fault(true).is_some() {
+            return None;
+        }
+        Some(inner)
+    }
+
+    /// A new user of a shared state: refused when it asked for other options than the state's.
+    /// The state keeps its context alive already: a keep-alive of the new user is kept only
+    /// when `needed` says the state lacks it (cudarc's keeper), else dropped after this returns
+    /// (under no lock), so that repeated adoptions add nothing.
     fn join(
         inner: Arc<CtxInner>,
         options: Option<ContextOptions>,
-        keep_alive: Option<KeepAlive>,
+        keep_alive: Option<(KeepAlive, Needed<'_>)>,
     ) -> Result<Context> {
         if let Some(o) = options {
             if o != inner.options {
@@ -580,10 +619,9 @@ impl Context {
                 return Err(e);
             }
         }
-        if let Some(k) = keep_alive {
-            inner.keep_alive.lock().push(k);
-        }
-        Ok(Context { inner })
+        let unneeded = keep_alive.and_then(|(k, needed)| inner.keep_if(k, needed));
+        drop(unneeded);
+        Ok(Context::user_of(inner))
     }
 
     /// Shares a state just made (unless it is isolated): registers it, or, when another thread
@@ -592,11 +630,12 @@ impl Context {
         if made.inner.options.isolated {
             return Ok(made);
         }
+        let user = made.user;
         let (inner, registered, later) = STATES.register(key, made.inner, CtxInner::joinable);
         // Outside the registry's lock: the state that lost the race is torn down here.
         drop(later);
         if registered {
-            Ok(Context { inner })
+            Ok(Context { inner, user })
         } else {
             Self::join(inner, options, None)
         }
@@ -618,6 +657,13 @@ impl Context {
     /// [`crate::StreamRef::lend`]) live. Pass what keeps it alive (for example the other crate's
     /// `Arc`) as `keep_alive`: it is dropped after this state's teardown, which waits for every
     /// loan of its streams to end.
+    ///
+    /// Sharing (see [`Context`]): with a `keep_alive`, the state is the process's shared state
+    /// of the context, which later users join and may keep alive after this one is dropped (the
+    /// keep-alive lives as long as the shared state). A call that joins a shared state that
+    /// keeps its context alive already drops its `keep_alive` before it returns (it is not
+    /// needed). Without a `keep_alive`, the state made is the caller's alone (its life rests
+    /// on the caller's promise, which covers no other user); it may still join a shared state.
     ///
     /// ```
     /// use cuda_stream_pool::{driver, Context};
@@ -642,7 +688,7 @@ impl Context {
         keep_alive: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Context> {
         // SAFETY: the caller's contract.
-        unsafe { Self::adopt_opt(driver, raw, keep_alive, None) }
+        unsafe { Self::adopt_keeping(driver, raw, keep_alive, None, &|_| false) }
     }
 
     /// [`Context::adopt`] with options (joining a shared state as
@@ -660,19 +706,22 @@ impl Context {
         options: ContextOptions,
     ) -> Result<Context> {
         // SAFETY: the caller's contract.
-        unsafe { Self::adopt_opt(driver, raw, keep_alive, Some(options)) }
+        unsafe { Self::adopt_keeping(driver, raw, keep_alive, Some(options), &|_| false) }
     }
 
     /// [`Context::adopt_with`]; `None`: any options of a shared state, the default for a new
-    /// one.
+    /// one. Joining a shared state, `keep_alive` is kept only if `needed` says the state lacks
+    /// it (see [`Context::join`]). A state made without a keep-alive is not shared: its life
+    /// rests on its adopter's promise alone, which covers no other user.
     ///
     /// # Safety
     /// As [`Context::adopt`].
-    unsafe fn adopt_opt(
+    pub(crate) unsafe fn adopt_keeping(
         driver: Arc<dyn Driver>,
         raw: driver::Context,
         keep_alive: Option<KeepAlive>,
         options: Option<ContextOptions>,
+        needed: Needed<'_>,
     ) -> Result<Context> {
         if raw.is_null() {
             return Err(Error::invalid("cannot adopt a null context"));
@@ -683,10 +732,8 @@ impl Context {
             ctx: raw.0,
         };
         if !opts.isolated {
-            let (found, later) = STATES.find(key, CtxInner::joinable);
-            drop(later);
-            if let Some(inner) = found {
-                return Self::join(inner, options, keep_alive);
+            if let Some(inner) = Self::find_live(key) {
+                return Self::join(inner, options, keep_alive.map(|k| (k, needed)));
             }
         }
         let rules = Self::device_layer(driver);
@@ -694,11 +741,23 @@ impl Context {
         rules.hook.set_context(raw);
         let device = rules.ctx_get_device()?;
         let made = Self::build(rules, raw, device, false, opts)?;
-        // What keeps the context alive goes with the state that is used (this one, or the one
-        // another thread shared meanwhile).
+        let Some(k) = keep_alive else {
+            // Kept by its adopter's promise only: nobody else's.
+            return Ok(made);
+        };
+        // The keep-alive goes with the state made here before it is shared (a joiner finds it
+        // kept alive) ...
+        let _ = made.inner.keep_if(k, &|_| true);
+        // ... or, when another thread shared one meanwhile, with that one if it lacks it (this
+        // one is torn down, keep-alive last).
+        let mine = made.inner.clone();
         let ctx = Self::share(key, made, options)?;
-        if let Some(k) = keep_alive {
-            ctx.inner.keep_alive.lock().push(k);
+        if !Arc::ptr_eq(&ctx.inner, &mine) {
+            let taken = mine.take_keep_alives();
+            drop(mine);
+            for k in taken {
+                drop(ctx.inner.keep_if(k, needed));
+            }
         }
         Ok(ctx)
     }
@@ -775,39 +834,37 @@ impl Context {
             fault: OnceLock::new(),
             checked: AtomicU64::new(rules.hook.sticky_seen()),
         });
-        Ok(Context {
-            inner: Arc::new(CtxInner {
-                id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
-                driver: rules.clone(),
-                rules,
-                raw,
-                device,
-                primary,
-                range: PriorityRange { least, greatest },
-                options,
-                pools: (0..2 * (least - greatest + 1).max(1))
-                    .map(|_| OnceLock::new())
-                    .collect(),
-                other_pools: RwLock::new(Vec::new()),
-                disposal,
-                mem_pool,
-                own_pool,
-                events: Mutex::new(Vec::new()),
-                deferred: RetryList::new(),
-                deferred_len: AtomicUsize::new(0),
-                orphans: RetryList::new(),
-                lent: RetryList::new(),
-                kept_host: RetryList::new(),
-                keep_alive: Mutex::new(Vec::new()),
-                torn_down: false,
-                retry_teardown: false,
-                health,
-                born: std::time::Instant::now(),
-                last_probe: AtomicU64::new(0),
-                hub: OnceLock::new(),
-                modules: Mutex::new(Vec::new()),
-            }),
-        })
+        Ok(Context::user_of(Arc::new(CtxInner {
+            id: NEXT_CTX.fetch_add(1, Ordering::Relaxed),
+            driver: rules.clone(),
+            rules,
+            raw,
+            device,
+            primary,
+            range: PriorityRange { least, greatest },
+            options,
+            pools: (0..2 * (least - greatest + 1).max(1))
+                .map(|_| OnceLock::new())
+                .collect(),
+            other_pools: RwLock::new(Vec::new()),
+            disposal,
+            mem_pool,
+            own_pool,
+            events: Mutex::new(Vec::new()),
+            deferred: RetryList::new(),
+            deferred_len: AtomicUsize::new(0),
+            orphans: RetryList::new(),
+            lent: RetryList::new(),
+            kept_host: RetryList::new(),
+            keep_alive: Mutex::new(Vec::new()),
+            torn_down: false,
+            retry_teardown: false,
+            health,
+            born: std::time::Instant::now(),
+            last_probe: AtomicU64::new(0),
+            hub: OnceLock::new(),
+            modules: Mutex::new(Vec::new()),
+        })))
     }
 
     /// The driver this context runs on, behind the context's device rules: a call made through
@@ -816,7 +873,9 @@ impl Context {
     /// that can invalidate a capture (queries, synchronizations, allocations and frees, host
     /// allocations, pool creation and attributes, graph instantiation, module loads), in
     /// relaxed capture mode (the caller's mode is restored). For a call with the thread's own
-    /// mode and current context, use the driver you passed in.
+    /// mode and current context, use the driver you passed in. It is another driver object
+    /// than the one you passed in: a [`Context::primary`] of it makes a state of its own (see
+    /// [`Context`]); pass your own driver to join this state.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -1458,6 +1517,24 @@ impl CtxInner {
         f: impl Fn(&(dyn std::any::Any + Send + Sync)) -> Option<R>,
     ) -> Option<R> {
         self.keep_alive.lock().iter().find_map(|k| f(&**k))
+    }
+
+    /// Keeps `k` with the state if `needed` says the state's keep-alives lack it (checked and
+    /// pushed under one lock); else hands it back, for the caller to drop after the lock.
+    pub(crate) fn keep_if(&self, k: KeepAlive, needed: Needed<'_>) -> Option<KeepAlive> {
+        let mut list = self.keep_alive.lock();
+        if needed(&list) {
+            list.push(k);
+            None
+        } else {
+            Some(k)
+        }
+    }
+
+    /// The state's keep-alives, taken out (of a state that lost the race to be shared: what it
+    /// keeps goes to the shared one, so it must not be dropped before that one's teardown).
+    fn take_keep_alives(&self) -> Vec<KeepAlive> {
+        std::mem::take(&mut *self.keep_alive.lock())
     }
 
     /// Whether a new user may join this state: its context is not known dead (a dead context's

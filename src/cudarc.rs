@@ -160,14 +160,16 @@ impl Context {
             _ctx: cu.clone(),
         };
         let keep: Option<Box<dyn std::any::Any + Send + Sync>> = Some(Box::new(keep));
+        // A shared state that keeps a cudarc context already (another `Arc<CudaContext>` of the
+        // same CUDA context) lends its streams through that one: this keeper is not needed.
+        let lacks_keeper = |list: &[Box<dyn std::any::Any + Send + Sync>]| {
+            !list
+                .iter()
+                .any(|k| k.downcast_ref::<CudarcKeep>().is_some())
+        };
         // SAFETY: `raw` is cudarc's live context, loaded from the same libcuda; the
         // `Arc<CudaContext>` in `keep` keeps it alive until this state's teardown is over.
-        unsafe {
-            match options {
-                Some(o) => Context::adopt_with(drv, raw, keep, o),
-                None => Context::adopt(drv, raw, keep),
-            }
-        }
+        unsafe { Context::adopt_keeping(drv, raw, keep, options, &lacks_keeper) }
     }
 
     /// The cudarc context this state was adopted from ([`Context::from_cudarc`]), if any.

@@ -745,7 +745,7 @@ impl<F: std::future::Future> std::future::Future for Attached<F> {
             // SAFETY: as above.
             return unsafe { std::pin::Pin::new_unchecked(&mut this.fut) }.poll(cx);
         };
-        let id = owner.ctx.inner.id;
+        let id = owner.ctx.user;
         let rc = Rc::new(owner);
         let pushed = ATTACHED
             .try_with(|a| a.borrow_mut().push((id, rc.clone())))
@@ -761,7 +761,8 @@ impl<F: std::future::Future> std::future::Future for Attached<F> {
 }
 
 fn thread_owner(ctx: &Context) -> Result<Rc<Owner>> {
-    let id = ctx.inner.id;
+    // Per user of the state (see `Context::user`), not per state.
+    let id = ctx.user;
     let attached = ATTACHED
         .try_with(|a| {
             a.borrow()
@@ -893,7 +894,7 @@ impl Context {
 /// assert_eq!(ctx.stats().in_use, 0);
 /// ```
 pub fn end_thread_owner(ctx: &Context) {
-    let id = ctx.inner.id;
+    let id = ctx.user;
     let taken = IMPLICIT
         .try_with(|m| {
             let mut m = m.borrow_mut();

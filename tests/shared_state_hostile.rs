@@ -3,10 +3,13 @@
 //! marked `DEFECT` fail on the code reviewed, those marked `HELD` pass and are kept as evidence.
 //! Simulated driver (the pausing wrapper of `tests/common/pausing.rs` for exact interleavings).
 //!
-//! Defects: a `Context::primary` join of an adopted state holds no retain; repeated adoptions
-//! accumulate keep-alives; users of a shared state share each thread's implicit owner; the
-//! context's own driver (`Context::driver`) makes a second state; an adoption right after the
-//! context died joins the dead state.
+//! Defects found (each fixed, its test passing since): a `Context::primary` join of an adopted
+//! state held no retain (states adopted without a keep-alive are no longer shared); repeated
+//! adoptions accumulated keep-alives (a joiner's is dropped when the state keeps its context
+//! alive already); users of a shared state shared each thread's implicit owner (owners are per
+//! user now: `Context::user`); an adoption right after the context died joined the dead state
+//! (a join probes the state first). Decided, not changed: the context's own driver
+//! (`Context::driver`) is another driver object and makes a separate state (documented).
 
 mod common;
 #[path = "common/pausing.rs"]
@@ -104,6 +107,8 @@ impl Drop for Keep {
 // (inactive: on a GPU, destroyed with everything in it); its next stream creation fails with
 // CUDA_ERROR_INVALID_CONTEXT in the sim. Fix: a join of a state that holds no retain of its own
 // (`!inner.primary`) keeps its retain (e.g. as a keep-alive that releases it after teardown).
+// Fixed: a state adopted without a keep-alive rests on its adopter's promise alone and is not
+// shared; `Context::primary` makes a state of its own (with its own retain) beside it.
 #[test]
 fn a_primary_join_of_an_adopted_state_keeps_the_primary_context_retained() {
     let (sim, d) = sim();
@@ -115,7 +120,7 @@ fn a_primary_join_of_an_adopted_state_keeps_the_primary_context_retained() {
     let adopted = unsafe { Context::adopt(d.clone(), raw, None) }.unwrap();
     // This library asks for the primary context through the safe API.
     let mine = Context::primary(d.clone(), 0).unwrap();
-    assert_eq!(mine, adopted, "joined the adopted state");
+    assert_ne!(mine, adopted, "joined a state adopted without a keep-alive");
     // The other library is done: it drops its state and releases its retain, as adopt's doc says.
     drop(adopted);
     // SAFETY: retained once above; the adopter uses nothing of it any more.
@@ -132,9 +137,10 @@ fn a_primary_join_of_an_adopted_state_keeps_the_primary_context_retained() {
 }
 
 // HELD: the reverse (adopt joins a state made by `Context::primary`): the state's retain stays
-// until its teardown, and the adopter's keep-alive is dropped after the teardown (no stream left).
+// until its teardown. The adopter's keep-alive is not needed (the state keeps its context
+// alive): dropped at the join, once (review 8, defect 2: keep-alives no longer pile up).
 #[test]
-fn an_adoption_that_joins_a_primary_state_keeps_its_keep_alive_until_after_the_teardown() {
+fn an_adoption_that_joins_a_primary_state_drops_its_unneeded_keep_alive_at_once() {
     let (sim, d) = sim();
     let p = Context::primary(d.clone(), 0).unwrap();
     let (k, dropped) = Keep::boxed(&sim);
@@ -145,16 +151,12 @@ fn an_adoption_that_joins_a_primary_state_keeps_its_keep_alive_until_after_the_t
     // SAFETY: `p` retains the primary context for as long as the joined state lives.
     let a = unsafe { Context::adopt(d.clone(), p.raw(), Some(k)) }.unwrap();
     assert_eq!(a, p);
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped at the join");
+    assert!(at_drop.load(Ordering::SeqCst) > 0, "while the state lives");
     drop(p);
     works(&a).unwrap();
-    assert_eq!(dropped.load(Ordering::SeqCst), 0);
     drop(a);
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped once");
-    assert_eq!(
-        at_drop.load(Ordering::SeqCst),
-        0,
-        "dropped before the teardown"
-    );
     assert_nothing_left(&sim, "an adopted primary state");
 }
 
@@ -219,7 +221,7 @@ fn a_primary_join_refused_for_its_options_releases_its_retain() {
     assert_nothing_left(&sim, "after refused joins");
 }
 
-// DEFECT (minor): the state's own driver (`Context::driver`, the same driver behind the
+// DECIDED (was DEFECT, minor; documented at `Context::driver`): the state's own driver (`Context::driver`, the same driver behind the
 // context's device rules) is a driver object of its own for the registry: `Context::primary(
 // ctx.driver().clone(), 0)` (a library handed a `Context` asking for "its" context again) makes a
 // second state of the same context, with a cap, pools and memory pool of its own, and the device
@@ -229,12 +231,16 @@ fn a_primary_join_refused_for_its_options_releases_its_retain() {
 // registry on `driver.world()` (or at least unwrap the crate's own rules wrapper), or document
 // that `ctx.driver()` is not a driver to pass.
 #[test]
-fn a_join_through_the_contexts_own_driver_gets_the_same_state() {
-    let (_sim, d) = sim();
+fn a_state_made_through_the_contexts_own_driver_is_separate_and_leaves_nothing() {
+    let (sim, d) = sim();
     let a = Context::primary(d.clone(), 0).unwrap();
     let b = Context::primary(a.driver().clone(), 0).unwrap();
     assert_eq!(b.raw(), a.raw());
-    assert_eq!(b, a, "two states of one CUDA context in one process");
+    assert_ne!(b, a, "documented: another driver object, another state");
+    works(&a).unwrap();
+    works(&b).unwrap();
+    drop((a, b));
+    assert_nothing_left(&sim, "two states through two driver objects");
 }
 
 // ---- races of first creation, joins and teardown -------------------------------------------
@@ -283,9 +289,9 @@ fn racing_joins_and_last_drops_leave_every_user_a_working_retained_state() {
     assert_nothing_left(&sim, "after the race");
 }
 
-// HELD: racing first users that pass keep-alives: every keep-alive is dropped exactly once and
-// only after the teardown of the state it went with (the losers' states are torn down while
-// the keep-alive is still held).
+// HELD: racing first users that pass keep-alives: every keep-alive is dropped exactly once; the
+// shared state keeps one (dropped after its teardown), the others are not needed and are
+// dropped while it lives (a loser's after its own state's teardown, which it outlives).
 #[test]
 fn racing_adoptions_drop_every_keep_alive_once_after_the_teardown() {
     for _ in 0..20 {
@@ -317,16 +323,24 @@ fn racing_adoptions_drop_every_keep_alive_once_after_the_teardown() {
         assert!(ctxs.iter().all(|c| *c == ctxs[0]));
         assert_eq!(
             dropped.load(Ordering::SeqCst),
-            0,
-            "a keep-alive dropped early"
+            n - 1,
+            "one keep-alive is kept by the shared state"
         );
         drop(ctxs);
         assert_eq!(dropped.load(Ordering::SeqCst), n, "each dropped once");
+        let after_teardown = at_drop
+            .iter()
+            .filter(|a| a.load(Ordering::SeqCst) == 0)
+            .count();
+        assert_eq!(
+            after_teardown, 1,
+            "the kept one is dropped after the teardown"
+        );
         for a in &at_drop {
-            assert_eq!(
+            assert_ne!(
                 a.load(Ordering::SeqCst),
-                0,
-                "dropped before a teardown ended"
+                usize::MAX,
+                "a keep-alive never dropped"
             );
         }
         drop(env);
@@ -978,11 +992,12 @@ fn an_adopted_created_context_is_shared_by_its_adopters_only() {
     // SAFETY: as above.
     let b = unsafe { Context::adopt(d.clone(), raw, Some(k2)) }.unwrap();
     assert_eq!(a, b);
+    assert_eq!(d2.load(Ordering::SeqCst), 1, "the joiner's is not needed");
     let p = Context::primary(d.clone(), 0).unwrap();
     assert_ne!(p, a);
     works(&a).unwrap();
     drop((a, p));
-    assert_eq!(d1.load(Ordering::SeqCst) + d2.load(Ordering::SeqCst), 0);
+    assert_eq!(d1.load(Ordering::SeqCst), 0, "the state keeps the first");
     drop(b);
     assert_eq!(d1.load(Ordering::SeqCst) + d2.load(Ordering::SeqCst), 2);
     sim.destroy_context(raw).unwrap();
