@@ -214,6 +214,14 @@ pub enum Op {
         action: futs::Reenter,
         at: futs::At,
     },
+    /// The FIFO race of issue 20's plant (r), as one step: owner `owner` works for `ns` and is
+    /// dropped (its stream retires busy), two waiters of its key queue (`Owner::ready`, polled),
+    /// the clock moves `ns` (the stream comes back idle while neither waiter has polled since),
+    /// and a third waiter polls: it must not be served before the two queued before it.
+    FifoRace {
+        owner: usize,
+        ns: u64,
+    },
     /// A new owner of the key of owner `owner` (its current priority; Normal without owners)
     /// waits for its stream (`Owner::ready`, as [`Op::Ready`]), polled at once with a waker
     /// whose wake, clone or drop (`at`) makes another owner of the key poll its own
@@ -329,7 +337,8 @@ fn is_ext(b: u8, u: &Unstructured<'_>, leaks: bool) -> bool {
 /// codes, so that inputs keep their meaning.
 fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
     // 16 codes from the start: codes 0 to 4 were assigned first and 5 to 12 repeat them
-    // (`c % 5`); operations added later take codes from 15 down (the loans took 15 to 13),
+    // (`c % 5`); operations added later take codes from 15 down (the loans took 15 to 13, the
+    // re-entrant acquisition 12 and 11, the FIFO race 10),
     // each with an arm of its own here, which changes the meaning of that code only (no
     // committed input has an escape of code 12 or 11: the re-entrant acquisition took both,
     // so that drawn inputs reach it more often).
@@ -340,6 +349,10 @@ fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
             ns: u.int_in_range(0..=10_000u64)?,
         },
         13 => Op::EndLoan(idx(u)?),
+        10 => Op::FifoRace {
+            owner: idx(u)?,
+            ns: u.int_in_range(0..=5_000u64)?,
+        },
         12 | 11 => Op::ReentrantReady {
             owner: idx(u)?,
             at: [futs::At::Wake, futs::At::Clone, futs::At::Drop][u.int_in_range(0..=2usize)?],
@@ -1519,6 +1532,22 @@ impl Model {
                 self.ready(p, false);
                 if self.futs.len() > n {
                     self.reentrant_poll(n, futs::Reenter::Acquire, at);
+                }
+            }
+            &Op::FifoRace { owner, ns } => {
+                if let Some(i) = pick(&self.owners, owner) {
+                    let p = self.owners[i].1.priority();
+                    // Each part a step of its own, checked as such.
+                    for op in [
+                        Op::Work { owner: i, ns },
+                        Op::DropOwner(i),
+                        Op::Ready { p, poll: true },
+                        Op::Ready { p, poll: true },
+                        Op::Advance(ns),
+                        Op::Ready { p, poll: true },
+                    ] {
+                        self.step(&op);
+                    }
                 }
             }
             &Op::Lend { owner } => acquired = self.lend(owner),
