@@ -1326,6 +1326,7 @@ impl CtxInner {
     ///
     /// # Errors
     /// The driver's error when the module cannot be loaded (the next call tries again).
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn module(&self, image: &'static std::ffi::CStr) -> Result<driver::Module> {
         let key = image.as_ptr() as usize;
         let mut list = self.modules.lock();

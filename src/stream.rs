@@ -111,6 +111,7 @@ impl<'a> StreamRef<'a> {
     }
 
     /// The handle, for an enqueue by the crate itself (counted: see `Slot::enqueue`).
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn enqueue_handle(&self) -> driver::Stream {
         self.slot.enqueue()
     }

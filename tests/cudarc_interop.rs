@@ -8,6 +8,11 @@ mod common;
 #[path = "../examples/cudarc_interop.rs"]
 mod example;
 
+/// The downstream crate's library code (ci/downstream, which CI builds with cudarc linked
+/// dynamically), run here on the GPU.
+#[path = "../ci/downstream/src/lib.rs"]
+mod downstream;
+
 use cuda_stream_pool::{Context, DeviceBuffer};
 use cudarc::driver::{CudaContext, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -267,4 +272,27 @@ fn cudarc_constructor_without_a_driver_is_an_error() {
     if probe.is_err() {
         assert!(r.is_err());
     }
+}
+
+/// Issue 21's downstream crate on the GPU: two libraries that adopt the same cudarc context
+/// share one state (a buffer of one read on the other's stream), half-precision buffers, and a
+/// cudarc kernel launched on the crate's buffer with `?` on cudarc's errors.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_downstream_crates_library_code_runs() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    assert!(
+        downstream::shared(&cu).unwrap(),
+        "the libraries' states differ"
+    );
+    let ctx = downstream::lib_a::open(&cu).unwrap();
+    let (z, b) = downstream::half_roundtrip(&ctx).unwrap();
+    assert_eq!(z, vec![half::f16::ZERO; 7]);
+    assert_eq!(b, vec![half::bf16::from_f32(2.0); 3]);
+    let f = add_one(&cu);
+    assert_eq!(
+        downstream::add_one(&ctx, &f, 1000).unwrap(),
+        vec![1.0; 1000]
+    );
 }
