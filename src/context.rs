@@ -292,7 +292,11 @@ impl ContextOptions {
 }
 
 /// The process's joinable states (see [`Context`]).
+#[cfg(not(loom))]
 static STATES: Registry<CtxInner> = Registry::new();
+/// Under loom (whose mutex has no `const` constructor) made on first use; no loom test reaches it.
+#[cfg(loom)]
+static STATES: std::sync::LazyLock<Registry<CtxInner>> = std::sync::LazyLock::new(Registry::new);
 
 static NEXT_CTX: AtomicU64 = AtomicU64::new(1);
 

@@ -105,7 +105,7 @@ impl<T> Registry<T> {
     }
 
     /// How many entries are registered (live or not yet pruned), for tests.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn len(&self) -> usize {
         self.entries.lock().len()
     }
