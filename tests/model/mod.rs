@@ -16,7 +16,7 @@ mod foreign;
 mod futs;
 mod loans;
 mod sched;
-mod threads;
+pub mod threads;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{
