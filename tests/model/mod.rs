@@ -893,9 +893,21 @@ impl Model {
     /// and those attached to futures.
     fn held_pairs(&self) -> Vec<(u64, u64)> {
         let mut v = Vec::new();
-        for (id, o) in self.all_owners() {
+        let mut push = |id: u64, o: &Owner| {
             for (_, s) in o.streams() {
                 v.push((id, s.raw().0));
+            }
+        };
+        // The owners of `all_owners`, in its order, without cloning them (this runs after
+        // every step).
+        for (id, o) in &self.owners {
+            push(*id, o);
+        }
+        for (k, c) in self.guards.iter().enumerate() {
+            let listed = self.owners.iter().any(|(id, _)| *id == c.owner_id)
+                || self.guards[..k].iter().any(|d| d.owner_id == c.owner_id);
+            if !listed {
+                push(c.owner_id, &c.owner);
             }
         }
         self.attached_pairs(&mut v);

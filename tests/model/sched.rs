@@ -306,9 +306,16 @@ impl Sched {
             self.main.notify_all();
             return;
         }
-        let stopped: Vec<usize> = (0..st.workers.len())
-            .filter(|&i| matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)))
-            .collect();
+        // (On the stack: this runs at every driver call of a worker.)
+        let mut stopped = [0usize; MAX_WORKERS];
+        let mut n = 0;
+        for i in 0..st.workers.len() {
+            if matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)) {
+                stopped[n] = i;
+                n += 1;
+            }
+        }
+        let stopped = &stopped[..n];
         if stopped
             .iter()
             .all(|&i| matches!(st.workers[i].1, W::Waiting(_)))
