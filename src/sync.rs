@@ -408,8 +408,11 @@ pub mod hook {
             l.0.retain(|t| *t != me);
             l.1.retain(|t| *t != me);
         }
-        // (A token left by an unpark of an earlier use: a new thread has none.)
-        std::thread::park_timeout(std::time::Duration::ZERO);
+        // (A token left by an unpark of an earlier use: a new thread has none. Taken by
+        // unparking and parking: the park returns at once, with or without an earlier token. A
+        // `park_timeout(ZERO)` without a token slept for the kernel's timer slack, ~50 µs.)
+        std::thread::current().unpark();
+        std::thread::park();
     }
 
     /// Whether thread `t` is parked without a timeout inside the crate right now (a blocking

@@ -14,5 +14,12 @@ use libfuzzer_sys::fuzz_target;
 mod model;
 
 fuzz_target!(|data: &[u8]| {
+    // The model's threads on one CPU for the input (`CSP_FUZZ_PIN=0`: not): see
+    // `model::threads::pin_to_current_cpu`.
+    let _pin = if std::env::var_os("CSP_FUZZ_PIN").is_some_and(|v| v == "0") {
+        None
+    } else {
+        model::threads::pin_to_current_cpu()
+    };
     model::run(data);
 });

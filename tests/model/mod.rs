@@ -16,7 +16,7 @@ mod foreign;
 mod futs;
 mod loans;
 mod sched;
-mod threads;
+pub mod threads;
 
 use arbitrary::Unstructured;
 use cuda_stream_pool::driver::{
@@ -758,8 +758,8 @@ pub struct Model {
     cap: Option<usize>,
     /// Join order of `Owner::ready` futures (first poll that returned `Pending`).
     joins: u64,
-    /// Streams held per owner id at the last `sync_holdings`.
-    nheld: HashMap<u64, usize>,
+    /// Streams held per owner id at the last `sync_holdings` (sorted by id).
+    nheld: Vec<(u64, usize)>,
     /// Acquisitions by owners that already held a stream (the only ones that may exceed the cap).
     bypass: u64,
     steps: usize,
@@ -769,8 +769,8 @@ pub struct Model {
     /// failed its every try): flagged capturing for good, never handed to another owner.
     stuck: Vec<(u64, u64)>,
     next_owner: u64,
-    /// (owner id, raw stream) pairs seen held; a new pair is a hand-over.
-    held: HashSet<(u64, u64)>,
+    /// (owner id, raw stream) pairs seen held, sorted; a new pair is a hand-over.
+    held: Vec<(u64, u64)>,
     /// The model's count of hand-overs per raw stream (the simulation never reuses handles).
     gens: HashMap<u64, u64>,
     /// Hand-overs to owners that re-entrant wakers made and dropped (`futs::Reenter::Acquire`),
@@ -879,12 +879,12 @@ impl Model {
             lent_ever: HashMap::new(),
             cap,
             joins: 0,
-            nheld: HashMap::new(),
+            nheld: Vec::new(),
             bypass: 0,
             steps: 0,
             leaked: Vec::new(),
             next_owner: 0,
-            held: HashSet::new(),
+            held: Vec::new(),
             gens: HashMap::new(),
             handed_unseen: Arc::default(),
             waker_panics: Arc::default(),
@@ -906,9 +906,21 @@ impl Model {
     /// and those attached to futures.
     fn held_pairs(&self) -> Vec<(u64, u64)> {
         let mut v = Vec::new();
-        for (id, o) in self.all_owners() {
+        let mut push = |id: u64, o: &Owner| {
             for (_, s) in o.streams() {
                 v.push((id, s.raw().0));
+            }
+        };
+        // The owners of `all_owners`, in its order, without cloning them (this runs after
+        // every step).
+        for (id, o) in &self.owners {
+            push(*id, o);
+        }
+        for (k, c) in self.guards.iter().enumerate() {
+            let listed = self.owners.iter().any(|(id, _)| *id == c.owner_id)
+                || self.guards[..k].iter().any(|d| d.owner_id == c.owner_id);
+            if !listed {
+                push(c.owner_id, &c.owner);
             }
         }
         self.attached_pairs(&mut v);
@@ -922,22 +934,38 @@ impl Model {
         self.sync_holdings_with(&pairs);
     }
 
-    /// [`Model::sync_holdings`] with the pairs held now (`held_pairs`).
+    /// [`Model::sync_holdings`] with the pairs held now (`held_pairs`). (Sorted vectors, not
+    /// hash sets: this runs after every step.)
     fn sync_holdings_with(&mut self, pairs: &[(u64, u64)]) {
-        let now: HashSet<(u64, u64)> = pairs.iter().copied().collect();
-        for pair in now.difference(&self.held) {
-            *self.gens.entry(pair.1).or_insert(0) += 1;
+        let mut now = pairs.to_vec();
+        now.sort_unstable();
+        // Streams held per owner (pairs counted as given, as `per` counted them).
+        let mut per: Vec<(u64, usize)> = Vec::new();
+        for &(id, _) in &now {
+            match per.last_mut() {
+                Some((last, n)) if *last == id => *n += 1,
+                _ => per.push((id, 1)),
+            }
         }
-        let mut per: HashMap<u64, usize> = HashMap::new();
-        for (id, _) in pairs {
-            *per.entry(*id).or_default() += 1;
+        now.dedup();
+        for pair in &now {
+            if self.held.binary_search(pair).is_err() {
+                *self.gens.entry(pair.1).or_insert(0) += 1;
+            }
         }
-        for (id, n) in &per {
-            let before = self.nheld.get(id).copied().unwrap_or(0);
+        for &(id, n) in &per {
+            let before = self.nheld_of(id);
             self.bypass += n.saturating_sub(before.max(1)) as u64;
         }
         self.nheld = per;
         self.held = now;
+    }
+
+    /// Streams held by owner `id` at the last `sync_holdings` (0 if none).
+    fn nheld_of(&self, id: u64) -> usize {
+        self.nheld
+            .binary_search_by_key(&id, |e| e.0)
+            .map_or(0, |k| self.nheld[k].1)
     }
 
     /// [`Model::sync_holdings`] for owner `id`, about to be dropped with the streams `pairs`
@@ -945,11 +973,12 @@ impl Model {
     /// a stream are counted, and it is forgotten.
     fn sync_gone(&mut self, id: u64, pairs: &[(u64, u64)]) {
         for pair in pairs {
-            if !self.held.contains(pair) {
+            if self.held.binary_search(pair).is_err() {
                 *self.gens.entry(pair.1).or_insert(0) += 1;
             }
         }
-        let before = self.nheld.remove(&id).unwrap_or(0);
+        let before = self.nheld_of(id);
+        self.nheld.retain(|e| e.0 != id);
         self.bypass += pairs.len().saturating_sub(before.max(1)) as u64;
         self.held.retain(|p| p.0 != id);
     }
@@ -1701,11 +1730,15 @@ impl Model {
             panics.is_empty(),
             "a re-entrant waker's action panicked: {panics:?}"
         );
-        // No two live owners share a stream (attached owners included).
-        let mut seen = HashSet::new();
+        // No two live owners share a stream (attached owners included). (A sorted vector, not
+        // a hash set: this runs after every step.)
+        let mut seen: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+            let s = cuda_stream_pool::driver::Stream(w[0]);
+            panic!("two owners share stream {s:?}");
+        }
         for &(id, raw) in pairs {
-            let s = cuda_stream_pool::driver::Stream(raw);
-            assert!(seen.insert(s), "two owners share stream {s:?}");
             assert!(
                 !self.stuck.iter().any(|&(o, r)| r == raw && o != id),
                 "a stream whose capture could not be ended was handed to another owner"
@@ -1714,7 +1747,7 @@ impl Model {
         for raw in &self.leaked {
             let s = cuda_stream_pool::driver::Stream(*raw);
             assert!(
-                !seen.contains(&s),
+                seen.binary_search(raw).is_err(),
                 "a stream captured by a leaked guard was handed out"
             );
             // SAFETY: a stream captured by a leaked guard is never destroyed (the context is

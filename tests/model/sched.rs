@@ -27,7 +27,7 @@ pub use hooked::{Hook, Hooked};
 use cuda_stream_pool::__model_hooks as hooks;
 use std::cell::Cell;
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::ThreadId;
+use std::thread::{Thread, ThreadId};
 use std::time::{Duration, Instant};
 
 /// Grants in a row with every worker only waiting, before a deadlock is reported.
@@ -62,6 +62,11 @@ const MAX_WORKERS: usize = 8;
 #[derive(Debug)]
 struct S {
     workers: Vec<(Option<ThreadId>, W)>,
+    /// The workers' threads (to unpark the one granted a step).
+    threads: Vec<Option<Thread>>,
+    /// The worker granted a step whose thread is still to be unparked (by the thread that
+    /// granted it, once it has dropped the lock).
+    wake: Option<usize>,
     /// The worker granted the next step, until it has taken it.
     grant: Option<usize>,
     /// After a deadlock (or a hang), the hook stops blocking.
@@ -84,15 +89,15 @@ struct S {
 /// The scheduler hook.
 ///
 /// Steps are handed over directly: the worker that stops (or finishes) picks the next one
-/// and wakes only that one (each worker waits on its own condition variable), and keeps
-/// running without a thread switch when it picks itself; the model's thread only waits for the
-/// end. (A scheduler thread woken at every step, with one condition variable for all, cost
-/// several thread switches per driver call.)
+/// and wakes only that one (it unparks the worker's thread after dropping the lock, so that the
+/// woken worker does not find the lock held: one wake-up per hand-over), and keeps running
+/// without a thread switch when it picks itself; the model's thread only waits for the end.
+/// (A scheduler thread woken at every step, with one condition variable for all, cost several
+/// thread switches per driver call; a condition variable per worker, notified under the lock,
+/// two.)
 #[derive(Debug)]
 pub struct Sched {
     st: Mutex<S>,
-    /// One per worker slot.
-    cvs: Vec<Condvar>,
     /// The model's thread, waiting in [`Sched::run`].
     main: Condvar,
 }
@@ -103,6 +108,8 @@ impl Default for Sched {
         Sched {
             st: Mutex::new(S {
                 workers: Vec::new(),
+                threads: Vec::new(),
+                wake: None,
                 grant: None,
                 free_run: false,
                 running: false,
@@ -114,7 +121,6 @@ impl Default for Sched {
                 trace: false,
                 outcome: None,
             }),
-            cvs: (0..MAX_WORKERS).map(|_| Condvar::new()).collect(),
             main: Condvar::new(),
         }
     }
@@ -193,8 +199,12 @@ impl Sched {
         }
         st.workers[i].1 = how;
         self.decide(&mut st);
+        if st.wake == Some(i) {
+            // Picked itself: runs on.
+            st.wake = None;
+        }
         while st.grant != Some(i) && !st.free_run {
-            st = self.cvs[i].wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.wake_and_park(st);
         }
         if st.grant == Some(i) {
             st.grant = None;
@@ -208,11 +218,37 @@ impl Sched {
         }
     }
 
+    /// Drops the lock, unparks the worker granted a step (if it is still to be woken), parks
+    /// the calling thread (until it is unparked, or spuriously) and takes the lock again.
+    fn wake_and_park<'a>(
+        &'a self,
+        mut st: std::sync::MutexGuard<'a, S>,
+    ) -> std::sync::MutexGuard<'a, S> {
+        let wake = st.wake.take().and_then(|j| st.threads[j].clone());
+        drop(st);
+        if let Some(t) = wake {
+            t.unpark();
+        }
+        std::thread::park();
+        self.lock()
+    }
+
+    /// Drops the lock and unparks the worker granted a step, if it is still to be woken.
+    fn wake_granted(&self, mut st: std::sync::MutexGuard<'_, S>) {
+        let wake = st.wake.take().and_then(|j| st.threads[j].clone());
+        drop(st);
+        if let Some(t) = wake {
+            t.unpark();
+        }
+    }
+
     /// Prepares `n` worker slots (before the workers start).
     pub fn begin(&self, n: usize) {
         assert!(n <= MAX_WORKERS, "at most {MAX_WORKERS} workers");
         let mut st = self.lock();
         st.workers = vec![(None, W::Absent); n];
+        st.threads = vec![None; n];
+        st.wake = None;
         st.grant = None;
         st.free_run = false;
         st.running = false;
@@ -223,6 +259,7 @@ impl Sched {
         WORKER_OF.with(|w| w.set(self as *const Sched as usize));
         let mut st = self.lock();
         st.workers[i] = (Some(std::thread::current().id()), W::Running);
+        st.threads[i] = Some(std::thread::current());
     }
 
     fn done(&self) {
@@ -233,6 +270,7 @@ impl Sched {
             w.1 = W::Done;
         }
         self.decide(&mut st);
+        self.wake_granted(st);
     }
 
     fn give_up(&self, st: &mut S, why: String) {
@@ -241,8 +279,9 @@ impl Sched {
             "{why}: {:?}",
             st.workers.iter().map(|w| w.1).collect::<Vec<_>>()
         )));
-        for cv in &self.cvs {
-            cv.notify_all();
+        st.wake = None;
+        for t in st.threads.iter().flatten() {
+            t.unpark();
         }
         self.main.notify_all();
     }
@@ -267,9 +306,16 @@ impl Sched {
             self.main.notify_all();
             return;
         }
-        let stopped: Vec<usize> = (0..st.workers.len())
-            .filter(|&i| matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)))
-            .collect();
+        // (On the stack: this runs at every driver call of a worker.)
+        let mut stopped = [0usize; MAX_WORKERS];
+        let mut n = 0;
+        for i in 0..st.workers.len() {
+            if matches!(st.workers[i].1, W::AtCall(_) | W::Waiting(_)) {
+                stopped[n] = i;
+                n += 1;
+            }
+        }
+        let stopped = &stopped[..n];
         if stopped
             .iter()
             .all(|&i| matches!(st.workers[i].1, W::Waiting(_)))
@@ -311,8 +357,8 @@ impl Sched {
             stopped[c % stopped.len()]
         };
         st.grant = Some(pick);
+        st.wake = Some(pick);
         st.last_grant = Instant::now();
-        self.cvs[pick].notify_one();
     }
 
     /// Runs the registered workers to completion, one step at a time, picking at each step
@@ -327,6 +373,10 @@ impl Sched {
         st.trace = std::env::var_os("CSP_SCHED_TRACE").is_some();
         st.running = true;
         self.decide(&mut st);
+        if st.wake.is_some() {
+            self.wake_granted(st);
+            st = self.lock();
+        }
         loop {
             if let Some(outcome) = st.outcome.take() {
                 st.running = false;

@@ -2,7 +2,16 @@
 //! steps), reused: starting a thread per step cost about as much as the step's work (0.1-0.7 ms
 //! under AddressSanitizer, with the `mmap`/`munmap` of its stacks). A reused thread starts each
 //! job as a new one would (see [`spawn`]).
+//!
+//! [`pin_to_current_cpu`] (the fuzz target's, per input) keeps the model's threads on one CPU:
+//! exactly one of them runs at a time (the scheduler hands the turn from thread to thread at
+//! every driver call of a concurrent step), and a hand-over to a thread on another CPU costs a
+//! cross-CPU wake-up (an inter-processor interrupt, in a virtual machine an exit), several times
+//! the cost of a switch on one CPU. It changes no decision: the scheduler picks by the input's
+//! bytes alone.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 
@@ -39,7 +48,9 @@ impl<T> Handle<T> {
 /// (`SimDriver::forget_thread_state`).
 pub fn spawn<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Handle<T> {
     let (tx, rx) = channel();
+    let cpu = PIN.load(Ordering::Relaxed);
     let mut job: Job = Box::new(move || {
+        follow_pin(cpu);
         cuda_stream_pool::__model_hooks::fresh_thread();
         let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
     });
@@ -61,4 +72,85 @@ pub fn spawn<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Handl
         })
         .expect("a model thread");
     Handle { rx, thread }
+}
+
+/// The CPU that [`pin_to_current_cpu`] keeps the model's threads on, -1 if none.
+static PIN: AtomicI32 = AtomicI32::new(-1);
+
+thread_local! {
+    /// The CPU this thread is pinned to by [`follow_pin`], -1 if none.
+    static PINNED: Cell<i32> = const { Cell::new(-1) };
+}
+
+/// The affinity mask of the process when the first pin was made (what an unpin restores).
+static ALL_CPUS: Mutex<Option<libc::cpu_set_t>> = Mutex::new(None);
+
+fn set_affinity(set: &libc::cpu_set_t) -> bool {
+    // SAFETY: a valid mask of the size given, for the calling thread.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) == 0 }
+}
+
+fn one_cpu(cpu: i32) -> libc::cpu_set_t {
+    // SAFETY: an all-zero mask is a valid (empty) `cpu_set_t`; `cpu` is a CPU number the
+    // kernel gave (below `CPU_SETSIZE`).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        set
+    }
+}
+
+/// A pool thread starting a job pins itself to the CPU its spawner was pinned to (`cpu`), or
+/// unpins itself if that was none.
+fn follow_pin(cpu: i32) {
+    if PINNED.with(Cell::get) == cpu {
+        return;
+    }
+    let set = if cpu >= 0 {
+        Some(one_cpu(cpu))
+    } else {
+        *ALL_CPUS.lock().unwrap_or_else(|p| p.into_inner())
+    };
+    if let Some(set) = set {
+        if set_affinity(&set) {
+            PINNED.with(|p| p.set(cpu));
+        }
+    }
+}
+
+/// Keeps the calling thread, and the model threads and crate threads started or given a job
+/// while the returned value lives, on the CPU the calling thread runs on now (see the module's
+/// documentation); dropping it unpins the calling thread (the next pin may choose another CPU).
+/// `None` if the affinity cannot be read or set.
+pub fn pin_to_current_cpu() -> Option<Unpin> {
+    // SAFETY: plain calls; the mask is of the size given.
+    let (all, cpu) = unsafe {
+        let mut all: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut all) != 0 {
+            return None;
+        }
+        (all, libc::sched_getcpu())
+    };
+    if cpu < 0 {
+        return None;
+    }
+    ALL_CPUS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert(all);
+    if !set_affinity(&one_cpu(cpu)) {
+        return None;
+    }
+    PIN.store(cpu, Ordering::Relaxed);
+    Some(Unpin(all))
+}
+
+/// Restores the calling thread's affinity (see [`pin_to_current_cpu`]).
+pub struct Unpin(libc::cpu_set_t);
+
+impl Drop for Unpin {
+    fn drop(&mut self) {
+        PIN.store(-1, Ordering::Relaxed);
+        set_affinity(&self.0);
+    }
 }
