@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
+mod common;
 #[path = "common/futures.rs"]
 mod futures_util;
 use futures_util::{poll, waker, Counting, Yield};
@@ -412,4 +413,21 @@ fn after_an_escape_the_task_stays_ordered_even_across_a_capture() {
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
     drop(ctx);
     clean(&sim);
+}
+
+// Issue 21 ("the simulated driver as a user meets it"): on `SimDriver::realtime()` a completion
+// of work longer than the poller's spin (here 2 ms) resolves by itself, with no other driver call
+// after it: the simulation's clock runs in real time and the poller's reads see the flag land.
+#[test]
+fn a_realtime_simulations_completion_resolves_without_another_call() {
+    common::finishes("a completion on the real-time simulation", || {
+        let sim = Arc::new(SimDriver::realtime());
+        let d: Arc<dyn Driver> = sim.clone();
+        let ctx = Context::primary(d, 0).unwrap();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        sim.enqueue_work(s.raw(), 2_000_000).unwrap();
+        let done = s.completed().unwrap();
+        common::block_on(done).unwrap();
+    });
 }

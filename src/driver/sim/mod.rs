@@ -993,8 +993,15 @@ unsafe impl Driver for SimDriver {
 
     unsafe fn probe_sticky(&self, stream: Stream) -> Result<()> {
         // A background question (see the trait): no cost, count, log, fault injection or
-        // observation; only a dead context's error.
-        let st = self.lock();
+        // observation; only a dead context's error. On a real-time clock the simulated GPU
+        // moves on here too, as a real one does by itself: work whose time has come completes
+        // (its host-mapped writes land), so that the poller, which probes while completions
+        // wait, sees them land with no other call of the program (on a manual clock only the
+        // test moves time).
+        let mut st = self.lock();
+        if matches!(self.clock, Clock::Real(_)) {
+            self.progress(&mut st);
+        }
         let ctx = st.streams.get(&stream.0).map_or(0, |s| s.ctx);
         match st.dead.get(&ctx) {
             Some(&code) => Err(err(code, "cuStreamQuery")),
