@@ -1,6 +1,7 @@
 //! Review 8 of the shared states (commit 9e2f745, `src/registry.rs`): attacks on one state per
 //! (driver, CUDA context). Each test asserts the behaviour the crate's contract promises; those
-//! marked `DEFECT` fail on the code reviewed, those marked `HELD` pass and are kept as evidence.
+//! marked `Pins review 8's finding` failed on the code reviewed (and pass since its fix), those
+//! marked `HELD` passed and are kept as evidence.
 //! Simulated driver (the pausing wrapper of `tests/common/pausing.rs` for exact interleavings).
 //!
 //! Defects found (each fixed, its test passing since): a `Context::primary` join of an adopted
@@ -99,7 +100,7 @@ impl Drop for Keep {
 
 // ---- adoption and the primary context's retain ---------------------------------------------
 
-// DEFECT: `Context::primary` that finds the shared state releases its own retain of the primary
+// Pins review 8's finding (fixed since): `Context::primary` that finds the shared state releases its own retain of the primary
 // context ("the shared state holds its own retain"), but a state made by `Context::adopt` holds
 // none: it relies on the adopter's promise, which covers the adopter's own use only (adopt's doc
 // example: adopt, drop the state, release). When the adopter drops its `Context` and releases
@@ -743,7 +744,7 @@ fn isolated_states_are_never_joined_nor_registered() {
     assert_nothing_left(&sim, "isolated states");
 }
 
-// DEFECT: every adoption that joins adds its keep-alive to the shared state for the state's
+// Pins review 8's finding (fixed since): every adoption that joins adds its keep-alive to the shared state for the state's
 // whole life, even when the state already keeps its context alive (its own retain, or an
 // earlier adopter's keep-alive): a library that adopts per request (and drops its `Context`
 // each time) while another library holds the state grows the list without bound, and what each
@@ -836,7 +837,7 @@ fn a_waker_woken_by_the_teardown_that_joins_the_context_does_not_deadlock() {
     assert_nothing_left(&sim, "a joining waker woken by the teardown");
 }
 
-// DEFECT: the thread's implicit owner is keyed by the state's id, so two independent users
+// Pins review 8's finding (fixed since): the thread's implicit owner is keyed by the state's id, so two independent users
 // (libraries) of one context that now share its state share each thread's implicit owner:
 // library A's `set_priority` changes the priority of library B's `Context::stream()`, B's
 // `stream()` is the very stream A is capturing on (B's work would join A's graph, or B's
@@ -1004,7 +1005,7 @@ fn an_adopted_created_context_is_shared_by_its_adopters_only() {
     assert_nothing_left(&sim, "an adopted created context");
 }
 
-// DEFECT (minor): "a state whose context is dead is not joined" holds only once the death is
+// Pins review 8's finding (minor; fixed since): "a state whose context is dead is not joined" holds only once the death is
 // known: `joinable` reads the recorded fault and never asks, so right after the context died
 // an adoption joins the dead state and returns `Ok` (its `health()` is an error at once), where
 // making a new state fails with the sticky error (as a later adoption, after a probe, does).
