@@ -371,8 +371,9 @@ pub(crate) struct CtxInner {
     /// Host memory that a copy may still read or write after the wait for it failed: kept until
     /// that stream generation's work is known to be complete (leaked if that never happens).
     kept_host: RetryList<KeptHost>,
-    /// What keeps an adopted context alive (other crates' handles: one per adoption that made
-    /// or joined this state), dropped after teardown.
+    /// What keeps an adopted context alive (another crate's handle, from the adoption that made
+    /// this state; and cudarc's keeper when a `from_cudarc` joined a state that lacked one),
+    /// dropped after teardown.
     keep_alive: Mutex<Vec<KeepAlive>>,
     /// Set when the teardown was moved to another state (off a host-function thread).
     torn_down: bool,
@@ -420,8 +421,9 @@ pub(crate) struct CtxInner {
 ///   [`ContextOptions::isolated`] is the caller's alone.
 /// * A state whose context is dead ([`Context::health`]) is not joined: the next user gets a
 ///   new state (which fails if the context is still dead).
-/// * Adoptions that join keep what they pass to keep the context alive for as long as the state
-///   lives.
+/// * Every shared state keeps its context alive by itself (its retain, or the keep-alive of
+///   the adoption that made it: a state adopted without one is not shared). A keep-alive that
+///   a joining adoption passes is not needed and is dropped before the call returns.
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};
@@ -532,19 +534,16 @@ impl Context {
         options: Option<ContextOptions>,
     ) -> Result<Context> {
         let opts = options.unwrap_or_default();
-        let driver_key = Arc::as_ptr(&driver) as *const () as usize;
         // Every call, `cuInit` included, goes through the device rules (refused on a
         // host-function thread before anything is touched).
         let rules = Self::device_layer(driver);
         rules.init()?;
         let device = rules.device_get(ordinal)?;
         let raw = rules.primary_ctx_retain(device)?;
-        let key = Key {
-            driver: driver_key,
-            ctx: raw.0,
-        };
+        // Keyed by the driver object passed in (the device layer's `inner`).
+        let key = Key::new(&rules.inner, raw.0);
         if !opts.isolated {
-            if let Some(inner) = Self::find_live(key) {
+            if let Some(inner) = Self::find_live(key, |_| true) {
                 // Every shared state keeps its context alive by itself (its own retain, or an
                 // adopter's keep-alive: states adopted without one are not shared).
                 // SAFETY: retained just above, once; nothing of ours uses it.
@@ -574,24 +573,16 @@ impl Context {
         options: Option<ContextOptions>,
         wanted: impl Fn(&CtxInner) -> bool,
     ) -> Option<Result<Context>> {
-        let key = Key {
-            driver: Arc::as_ptr(driver) as *const () as usize,
-            ctx: raw.0,
-        };
-        let (found, later) = STATES.find(key, |s| s.joinable() && wanted(s));
-        drop(later);
-        let inner = found?;
-        if inner.fault(true).is_some() {
-            return None;
-        }
+        let inner = Self::find_live(Key::new(driver, raw.0), wanted)?;
         Some(Self::join(inner, options, None))
     }
 
-    /// The live shared state of `key`, if its context is not dead: asked of the driver (a query
-    /// of the state's disposal stream), outside the registry's lock, so that a context that
-    /// died a moment ago is not joined (the dead state is dropped here, under no lock).
-    fn find_live(key: Key) -> Option<Arc<CtxInner>> {
-        let (found, later) = STATES.find(key, CtxInner::joinable);
+    /// The live shared state of `key` that `wanted` accepts (run under the registry's lock:
+    /// crate code only), if its context is not dead: asked of the driver (a query of the
+    /// state's disposal stream), outside the registry's lock, so that a context that died a
+    /// moment ago is not joined (the dead state is dropped here, under no lock).
+    fn find_live(key: Key, wanted: impl Fn(&CtxInner) -> bool) -> Option<Arc<CtxInner>> {
+        let (found, later) = STATES.find(key, |s| s.joinable() && wanted(s));
         drop(later);
         let inner = found?;
         if inner.fault(true).is_some() {
@@ -731,12 +722,9 @@ impl Context {
             return Err(Error::invalid("cannot adopt a null context"));
         }
         let opts = options.unwrap_or_default();
-        let key = Key {
-            driver: Arc::as_ptr(&driver) as *const () as usize,
-            ctx: raw.0,
-        };
+        let key = Key::new(&driver, raw.0);
         if !opts.isolated {
-            if let Some(inner) = Self::find_live(key) {
+            if let Some(inner) = Self::find_live(key, |_| true) {
                 return Self::join(inner, options, keep_alive.map(|k| (k, needed)));
             }
         }

@@ -133,19 +133,17 @@ impl Context {
     fn from_cudarc_opt(cu: &Arc<CudaContext>, options: Option<ContextOptions>) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
         let raw = driver::Context::from(cu.cu_ctx());
-        // Already shared and keeping this cudarc context (and its keeper stream): joined as it
-        // is, so that adopting again and again adds nothing.
-        let keeps_cu = |s: &crate::context::CtxInner| {
-            s.find_keep_alive(|k| {
-                k.downcast_ref::<CudarcKeep>()
-                    .filter(|k| Arc::ptr_eq(&k._ctx, cu))
-                    .map(|_| ())
-            })
-            .is_some()
+        // Already shared and keeping a cudarc context of this CUDA context (this `Arc` or
+        // another, with its keeper stream, which keeps that one in multi-stream mode; the
+        // state lends its streams through it): joined as it is, so that adopting again and
+        // again adds nothing (not even a keeper stream).
+        let keeps_cudarc = |s: &crate::context::CtxInner| {
+            s.find_keep_alive(|k| k.downcast_ref::<CudarcKeep>().map(|_| ()))
+                .is_some()
         };
         let isolated = options.is_some_and(|o| o.isolated);
         if !isolated {
-            if let Some(joined) = Context::shared_if(&drv, raw, options, keeps_cu) {
+            if let Some(joined) = Context::shared_if(&drv, raw, options, keeps_cudarc) {
                 return joined;
             }
         }
@@ -172,7 +170,10 @@ impl Context {
         unsafe { Context::adopt_keeping(drv, raw, keep, options, &lacks_keeper) }
     }
 
-    /// The cudarc context this state was adopted from ([`Context::from_cudarc`]), if any.
+    /// The cudarc context this state lends its streams through ([`StreamRef::cudarc_stream`]):
+    /// the one it was adopted from ([`Context::from_cudarc`]), or, for a state that several
+    /// `Arc<CudaContext>`s of one CUDA context joined, the first of them; `None` for a state
+    /// that no `from_cudarc` made or joined.
     pub fn cudarc_context(&self) -> Option<Arc<CudaContext>> {
         self.inner
             .find_keep_alive(|k| k.downcast_ref::<CudarcKeep>().map(|k| k._ctx.clone()))

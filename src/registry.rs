@@ -15,6 +15,17 @@ pub(crate) struct Key {
     pub(crate) ctx: u64,
 }
 
+impl Key {
+    /// The key of `ctx` through the driver object `driver` (a state holds its driver, so the
+    /// address is not reused while an entry's state lives).
+    pub(crate) fn new<D: ?Sized>(driver: &std::sync::Arc<D>, ctx: u64) -> Key {
+        Key {
+            driver: std::sync::Arc::as_ptr(driver) as *const () as usize,
+            ctx,
+        }
+    }
+}
+
 struct Entry<T> {
     key: Key,
     state: Weak<T>,

@@ -23,6 +23,23 @@ fn add_one(cu: &Arc<CudaContext>) -> cudarc::driver::CudaFunction {
     m.load_function("csp_add_one_f32").unwrap()
 }
 
+/// One `csp_add_one_f32` launch on cudarc stream `cs` over `buf`, in use on the pooled stream
+/// `s` (a `CudarcUse`, which orders a launch on another stream than `s` both ways).
+fn launch_add_one(
+    f: &cudarc::driver::CudaFunction,
+    cs: &Arc<cudarc::driver::CudaStream>,
+    buf: &DeviceBuffer<f32>,
+    s: &cuda_stream_pool::StreamRef<'_>,
+) {
+    let n = buf.len();
+    let u = buf.cudarc_use(s).unwrap();
+    let (p, record) = u.device_ptr(cs);
+    // SAFETY: csp_add_one_f32(float*, unsigned) on the buffer's n floats, in use while `u`
+    // lives; `record` (an ordering back to `s`) is dropped after the launch.
+    unsafe { cs.launch_builder(f).arg(&p).arg(&(n as u32)).launch(cfg(n)) }.unwrap();
+    drop(record);
+}
+
 fn cfg(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(256), 1, 1),
@@ -114,37 +131,10 @@ fn cudarc_launch_on_another_owners_stream_is_a_use() {
     for round in 1..=4 {
         // Alternate the launching owner: every launch is ordered after the previous use.
         let s = if round % 2 == 0 { &sa } else { &sb };
-        let cs = s.cudarc_stream().unwrap();
-        let u = buf.cudarc_use(s).unwrap();
-        let (p, _record) = u.device_ptr(&cs);
-        // SAFETY: csp_add_one_f32 on the buffer's n floats, in use on `s` while `u` lives.
-        unsafe {
-            cs.launch_builder(&f)
-                .arg(&p)
-                .arg(&(n as u32))
-                .launch(cfg(n))
-        }
-        .unwrap();
+        launch_add_one(&f, &s.cudarc_stream().unwrap(), &buf, s);
     }
     // A launch on a stream other than the use's: ordered both ways.
-    {
-        let cs_b = sb.cudarc_stream().unwrap();
-        let other = cu.new_stream().unwrap();
-        let u = buf.cudarc_use(&sb).unwrap();
-        let (p, record) = u.device_ptr(&other);
-        // SAFETY: as above; `record` (a synchronize of `other`) is dropped after the launch.
-        unsafe {
-            other
-                .launch_builder(&f)
-                .arg(&p)
-                .arg(&(n as u32))
-                .launch(cfg(n))
-        }
-        .unwrap();
-        drop(record);
-        drop(u);
-        drop(cs_b);
-    }
+    launch_add_one(&f, &cu.new_stream().unwrap(), &buf, &sb);
     // Read back on the first owner's stream: ordered after all five launches.
     let v = buf.to_vec(&sa).unwrap();
     assert!(v.iter().all(|&e| e == 5.0), "{}", v[0]);
@@ -175,18 +165,7 @@ fn with_cudarc_event_tracking_off_the_crates_buffers_stay_ordered() {
         } else {
             s.cudarc_stream().unwrap()
         };
-        let u = buf.cudarc_use(s).unwrap();
-        let (p, record) = u.device_ptr(&cs);
-        // SAFETY: csp_add_one_f32 on the buffer's n floats, in use while `u` lives; `record`
-        // is dropped after the launch.
-        unsafe {
-            cs.launch_builder(&f)
-                .arg(&p)
-                .arg(&(n as u32))
-                .launch(cfg(n))
-        }
-        .unwrap();
-        drop(record);
+        launch_add_one(&f, &cs, &buf, s);
     }
     let v = buf.to_vec(&sb).unwrap();
     assert!(v.iter().all(|&e| e == 6.0), "{}", v[0]);
