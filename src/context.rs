@@ -1414,8 +1414,10 @@ impl CtxInner {
             // A dead context hands out nothing (its streams' work never completes).
             return Err(e);
         }
-        if pool.lent_out() > 0 && mode != Mode::Fail {
-            // Parked loans that ended come back first (they count against the cap).
+        if pool.lent_out() > 0 && !on_host_fn_thread() {
+            // Parked loans that ended come back first (they count against the cap); not on a
+            // host-function thread, where the flush's driver calls are refused (any mode:
+            // `Mode::Fail`, or an `Owner::try_stream` there).
             self.flush_deferred();
         }
         let _scope = self.scope();
