@@ -257,7 +257,7 @@ pub mod __model_hooks {
 }
 
 #[cfg(feature = "cudarc")]
-pub use self::cudarc::CudarcUse;
+pub use self::cudarc::{ConvertError, CudarcUse};
 pub use capture::{CaptureGuard, Graph, GraphExec};
 pub use completion::{Completion, HostCopy};
 pub use context::{Context, ContextOptions, MemPoolChoice, Priority, PriorityRange};

@@ -73,10 +73,16 @@ pub(crate) struct BufCore {
     last: Mutex<LastUse>,
     /// The tag of the thread holding `last` through a [`BufferUse`], 0 when none.
     holder: AtomicU64,
+    /// Whether the allocation is still the crate's to free: `false` once it was handed to
+    /// another owner of it ([`DeviceBuffer::into_raw_on`]).
+    owned: bool,
 }
 
 impl Drop for BufCore {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let last = self.last.get_mut();
         let (ctx, ptr, slot, gen) = (self.ctx.clone(), self.ptr, last.slot.clone(), last.gen);
         off_host_fn_thread(move || {
@@ -402,10 +408,117 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                     gen: stream.gen,
                 }),
                 holder: AtomicU64::new(0),
+                owned: true,
             }),
             len,
             _t: PhantomData,
         })
+    }
+
+    /// A buffer of an allocation that another owner hands to the crate (cudarc's `CudaSlice`),
+    /// its last use `stream`.
+    ///
+    /// # Safety
+    /// `ptr` is a live device allocation of `stream`'s context, of at least `len` elements of
+    /// `T` (`len * size_of::<T>()` bytes, `len > 0`), that `cuMemFreeAsync` frees (stream-ordered
+    /// memory); nobody else frees or uses it from now on, and every use of it so far is ordered
+    /// before the work `stream` has now (the crate frees it ordered after that).
+    #[cfg(feature = "cudarc")]
+    pub(crate) unsafe fn from_raw_on(stream: &StreamRef<'_>, ptr: DevicePtr, len: usize) -> Self {
+        DeviceBuffer {
+            core: Arc::new(BufCore {
+                ctx: stream.ctx.clone(),
+                ptr,
+                bytes: len * std::mem::size_of::<T>(),
+                last: Mutex::new(LastUse {
+                    slot: stream.slot.clone(),
+                    gen: stream.gen,
+                }),
+                holder: AtomicU64::new(0),
+                owned: true,
+            }),
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    /// Hands the allocation over (to cudarc's `CudaSlice`): once `stream` is ordered after the
+    /// buffer's last use, the buffer gives up the allocation without freeing it and returns
+    /// `(pointer, elements)`; the caller then owns the memory, and work it enqueues on `stream`
+    /// comes after every use the crate made of it. On an error the buffer is given back,
+    /// unchanged but for an ordering that may have been enqueued.
+    ///
+    /// Refused (with the buffer back) when the buffer is of another context than the stream,
+    /// when the stream is capturing, when a graph (or a pending operation of the crate) still
+    /// keeps the allocation, when its last use is in a capture in progress, and on the driver's
+    /// error of the ordering.
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn into_raw_on(
+        self,
+        stream: &StreamRef<'_>,
+    ) -> std::result::Result<(DevicePtr, usize), (Error, Self)> {
+        let len = self.len;
+        if !self.core.ctx.same(&stream.ctx) {
+            let e = Error::invalid("the buffer belongs to another context than the stream");
+            return Err((e, self));
+        }
+        if let Err(e) = stream.not_capturing("handing a buffer over") {
+            return Err((e, self));
+        }
+        let mut core = match Arc::try_unwrap(self.core) {
+            Ok(core) => core,
+            Err(core) => {
+                let e = Error::invalid(
+                    "the buffer is still kept by a graph (or a pending operation of the crate): \
+                     drop the graphs that use it first",
+                );
+                return Err((
+                    e,
+                    DeviceBuffer {
+                        core,
+                        len,
+                        _t: PhantomData,
+                    },
+                ));
+            }
+        };
+        // No guard can be alive (the buffer is ours by value); a leaked one's use is recorded in
+        // `last` already, and its lock is not taken here (`get_mut`).
+        let last = core.last.get_mut();
+        let (slot, gen) = (&stream.slot, stream.gen);
+        let ordered = if Arc::ptr_eq(&last.slot, slot) && last.gen == gen {
+            Ok(())
+        } else {
+            let prev = last.slot.clone();
+            let st = prev.lock();
+            if !st.is_live(last.gen) {
+                Ok(()) // recycled: that generation's work has completed
+                       // SAFETY: the previous stream is live (generation current, under its lock).
+            } else if st.capturing || unsafe { core.ctx.inner.capturing(&prev) } {
+                Err(Error::CaptureInProgress(
+                    "the buffer's last use is in a capture in progress on another stream; end \
+                     the capture before handing the buffer over"
+                        .into(),
+                ))
+            } else {
+                // SAFETY: both streams are live (the previous one under its lock, `stream` held
+                // by the reference's holder) and neither is capturing.
+                unsafe { core.ctx.inner.order(&prev, slot) }
+            }
+        };
+        if let Err(e) = ordered {
+            let core = Arc::new(core);
+            return Err((
+                e,
+                DeviceBuffer {
+                    core,
+                    len,
+                    _t: PhantomData,
+                },
+            ));
+        }
+        core.owned = false;
+        Ok((core.ptr, len))
     }
 
     /// Allocates `len` zeroed elements on `stream`.

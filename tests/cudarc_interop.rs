@@ -274,4 +274,293 @@ fn the_downstream_crates_library_code_runs() {
         downstream::add_one(&ctx, &f, 1000).unwrap(),
         vec![1.0; 1000]
     );
+    let (v, same) = downstream::slices_change_hands(&ctx, &cu, &f).unwrap();
+    assert!(same, "a conversion copied the memory");
+    assert_eq!(v, vec![3.0; 4096]);
+}
+
+/// Runs `work` while `stream` is held on the GPU by a wait on host-mapped memory (the H200's
+/// instrument for a busy stream), released from another thread 100 ms after `work` began: the
+/// work `work` queues behind the hold is still pending while it converts and enqueues what must
+/// come after. The release's timing decides only how soon a missing order shows (as a wrong
+/// value), never the verdict on ordered code, which reads the right values whenever it runs.
+fn with_stream_held<R>(stream: cuda_stream_pool::driver::Stream, work: impl FnOnce() -> R) -> R {
+    let d = common::cuda();
+    let word = common::stall::HostWord::new(&d);
+    // SAFETY: `stream` is live and not capturing (the caller's); the word is set (by the
+    // scope's thread, joined below) before the stream is synchronized and the word dropped.
+    unsafe { word.hold(stream, 1) };
+    let r = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            word.set(1);
+        });
+        work()
+    });
+    // SAFETY: `stream` is live; the hold is released.
+    unsafe { d.stream_synchronize(stream) }.unwrap();
+    r
+}
+
+/// `rounds` launches of `csp_add_one_f32` on cudarc stream `cs` over the slice: a queue of
+/// work long enough that anything unordered after it runs before it ends.
+fn queue_add_ones(
+    f: &cudarc::driver::CudaFunction,
+    cs: &Arc<cudarc::driver::CudaStream>,
+    x: &mut cudarc::driver::CudaSlice<f32>,
+    rounds: usize,
+) {
+    let n = x.len();
+    for _ in 0..rounds {
+        // SAFETY: csp_add_one_f32(float*, unsigned) on x's n floats.
+        unsafe {
+            cs.launch_builder(f)
+                .arg(&mut *x)
+                .arg(&(n as u32))
+                .launch(cfg(n))
+        }
+        .unwrap();
+    }
+}
+
+/// `DeviceBuffer::into_cudarc` (issue 21: `CudaSlice` ↔ `DeviceBuffer` without copies) hands
+/// over the same allocation, ordered: cudarc work on a stream of its own waits for the crate's
+/// queued work on the buffer (the slice's write event, recorded on the lent stream), and the
+/// buffer's leaked use on a third stream is waited for too.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn into_cudarc_keeps_the_allocation_and_orders_cudarc_after_the_crates_work() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 16;
+    let (a, b) = (ctx.owner(), ctx.owner());
+    let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+    let buf = DeviceBuffer::<f32>::zeroed(&sa, n).unwrap();
+    let addr = buf.as_raw().0;
+    let csa = sa.cudarc_stream().unwrap();
+    let csb = sb.cudarc_stream().unwrap();
+    let theirs = cu.new_stream().unwrap();
+    let raw = |cs: &Arc<cudarc::driver::CudaStream>| {
+        cuda_stream_pool::driver::Stream::from(cs.cu_stream())
+    };
+    let (v, x) = with_stream_held(raw(&csa), || {
+        with_stream_held(raw(&csb), || {
+            for _ in 0..10 {
+                launch_add_one(&f, &csa, &buf, &sa);
+            }
+            // A use on b's stream, leaked: recorded when made, so it is waited for; no lock is
+            // taken by the conversion.
+            let u = buf.cudarc_use(&sb).unwrap();
+            {
+                let (p, none) = u.device_ptr_on(&csb).unwrap();
+                // SAFETY: csp_add_one_f32 on the buffer's n floats, in use on sb.
+                unsafe {
+                    csb.launch_builder(&f)
+                        .arg(&p)
+                        .arg(&(n as u32))
+                        .launch(cfg(n))
+                }
+                .unwrap();
+                drop(none);
+            }
+            std::mem::forget(u);
+            let mut x = buf.into_cudarc(&sa).unwrap();
+            // Nothing here records the slice's events on `sa` but the conversion.
+            queue_add_ones(&f, &theirs, &mut x, 1);
+            (theirs.clone_dtoh(&x).unwrap(), x)
+        })
+    });
+    let wrong = v.iter().filter(|&&e| e != 12.0).count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} of {n} values not after the crate's work: {}",
+        v[0]
+    );
+    assert_eq!(x.device_ptr(&theirs).0, addr, "the memory was copied");
+}
+
+/// `DeviceBuffer::from_cudarc` (issue 21) takes cudarc's allocation as it is, after waiting for
+/// cudarc's work on it on every stream (its events) and on its own stream; the buffer's free
+/// is ordered like any other's.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn from_cudarc_waits_for_cudarc_work_on_every_stream() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 16;
+    let (own, other) = (cu.new_stream().unwrap(), cu.new_stream().unwrap());
+    let mut x = own.alloc_zeros::<f32>(n).unwrap();
+    own.synchronize().unwrap();
+    let addr = x.device_ptr(&own).0;
+    let a = ctx.owner();
+    let s = a.stream().unwrap();
+    let raw = cuda_stream_pool::driver::Stream::from(other.cu_stream());
+    let (v, buf) = with_stream_held(raw, || {
+        // Only on another stream than the slice's own: its events alone tell this work.
+        queue_add_ones(&f, &other, &mut x, 10);
+        let buf = DeviceBuffer::from_cudarc(x, &s).unwrap();
+        (buf.to_vec(&s).unwrap(), buf)
+    });
+    assert_eq!(buf.as_raw().0, addr, "the memory was copied");
+    let wrong = v.iter().filter(|&&e| e != 10.0).count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} of {n} values read before cudarc's work: {}",
+        v[0]
+    );
+}
+
+/// With cudarc's event tracking off a slice has no events; its work on its own stream is still
+/// waited for by `DeviceBuffer::from_cudarc` (issue 21).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn from_cudarc_waits_for_the_slices_own_stream_with_event_tracking_off() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    // SAFETY: the slice of this test is used on its own stream only until the crate takes it.
+    unsafe { cu.disable_event_tracking() };
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let n = 1 << 16;
+    let own = cu.new_stream().unwrap();
+    let mut x = own.alloc_zeros::<f32>(n).unwrap();
+    let a = ctx.owner();
+    let s = a.stream().unwrap();
+    let raw = cuda_stream_pool::driver::Stream::from(own.cu_stream());
+    let v = with_stream_held(raw, || {
+        queue_add_ones(&f, &own, &mut x, 10);
+        let buf = DeviceBuffer::from_cudarc(x, &s).unwrap();
+        buf.to_vec(&s).unwrap()
+    });
+    // SAFETY: as above.
+    unsafe { cu.enable_event_tracking() };
+    let wrong = v.iter().filter(|&&e| e != 10.0).count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} of {n} values read before cudarc's work: {}",
+        v[0]
+    );
+}
+
+/// Refused conversions give the value back, unchanged and usable (issue 21): a buffer a graph
+/// still keeps, a buffer on a capturing stream, a slice on a capturing stream, a stream of a
+/// state not adopted from cudarc (which takes cudarc's slices of its context all the same).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn refused_conversions_give_the_value_back() {
+    use cuda_stream_pool::{driver, Error};
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let a = ctx.owner();
+    let s = a.stream().unwrap();
+    let mut buf = DeviceBuffer::<u32>::zeroed(&s, 256).unwrap();
+    let graph = {
+        let g = s.begin_capture().unwrap();
+        buf.fill(&s, 7).unwrap();
+        g.end().unwrap()
+    };
+    let e = buf.into_cudarc(&s).unwrap_err();
+    assert!(matches!(e.error, Error::InvalidArgument(_)), "{}", e.error);
+    let mut buf = e.value;
+    assert_eq!(buf.to_vec(&s).unwrap(), vec![0; 256]);
+    drop(graph);
+    let g = s.begin_capture().unwrap();
+    let e = buf.into_cudarc(&s).unwrap_err();
+    assert!(
+        matches!(e.error, Error::CaptureInProgress(_)),
+        "{}",
+        e.error
+    );
+    buf = e.value;
+    drop(g);
+    buf.fill(&s, 3).unwrap();
+    let x = buf.into_cudarc(&s).unwrap();
+    // A slice whose stream is capturing (cudarc's own capture): its work cannot be waited for.
+    let theirs = cu.new_stream().unwrap();
+    let y = theirs.clone_htod(&[5u32; 16]).unwrap();
+    theirs
+        .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let e = DeviceBuffer::from_cudarc(y, &s).unwrap_err();
+    assert!(
+        matches!(e.error, Error::CaptureInProgress(_)),
+        "{}",
+        e.error
+    );
+    let y = e.value;
+    let graph = theirs
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    drop(graph);
+    assert_eq!(theirs.clone_dtoh(&y).unwrap(), vec![5; 16]);
+    // A state the crate made without cudarc (isolated: not the shared one) takes cudarc's
+    // slices (the same CUDA context) but cannot lend its streams to cudarc.
+    let (drv, _) = driver::load(driver::Choice::Cuda).unwrap();
+    let plain = Context::primary_with(
+        drv,
+        0,
+        cuda_stream_pool::ContextOptions::default().isolated(true),
+    )
+    .unwrap();
+    let p = plain.owner();
+    let ps = p.stream().unwrap();
+    let yb = DeviceBuffer::from_cudarc(y, &ps).unwrap();
+    assert_eq!(yb.to_vec(&ps).unwrap(), vec![5; 16]);
+    let e = yb.into_cudarc(&ps).unwrap_err();
+    assert!(matches!(e.error, Error::InvalidArgument(_)), "{}", e.error);
+    assert_eq!(e.value.to_vec(&ps).unwrap(), vec![5; 16]);
+    assert_eq!(
+        s.cudarc_stream().unwrap().clone_dtoh(&x).unwrap(),
+        vec![3; 256]
+    );
+    let back: Result<DeviceBuffer<u32>, Error> =
+        DeviceBuffer::from_cudarc(x, &s).map_err(Error::from);
+    assert_eq!(back.unwrap().to_vec(&s).unwrap(), vec![3; 256]);
+}
+
+/// A slice made by `into_cudarc` keeps its stream lent, and with it the state, after the owner
+/// and the `Context` are gone; cudarc's free of it, on that stream, ends the loan (issue 21:
+/// what a loan relies on lives as long as the loan).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_slice_from_a_buffer_keeps_its_stream_lent_until_cudarc_frees_it() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let f = add_one(&cu);
+    let ctx = Context::from_cudarc_with(
+        &cu,
+        cuda_stream_pool::ContextOptions::default().isolated(true),
+    )
+    .unwrap();
+    let a = ctx.owner();
+    let mut x = {
+        let s = a.stream().unwrap();
+        DeviceBuffer::<f32>::zeroed(&s, 1 << 16)
+            .unwrap()
+            .into_cudarc(&s)
+            .unwrap()
+    };
+    drop(a);
+    assert_eq!(
+        ctx.stats().in_use,
+        1,
+        "the slice's stream went back to the pool"
+    );
+    let probe = ctx.clone();
+    drop(ctx);
+    let cs = x.stream().clone();
+    queue_add_ones(&f, &cs, &mut x, 10);
+    assert_eq!(cs.clone_dtoh(&x).unwrap()[0], 10.0);
+    drop((x, cs));
+    probe.trim().unwrap();
+    assert_eq!(
+        probe.stats().in_use,
+        0,
+        "the loan did not end with cudarc's free"
+    );
 }

@@ -1,6 +1,7 @@
 //! Library code as a cudarc user writes it with this crate (issue 21): two independent
 //! libraries of one process that each adopt cudarc's context and share one state of it,
-//! half-precision buffers, a cudarc kernel launched on the crate's buffer, and `?` on both
+//! half-precision buffers, a cudarc kernel launched on the crate's buffer, `CudaSlice` ↔
+//! `DeviceBuffer` without copies, and `?` on both
 //! error types. No `unsafe` but the kernel launch, which cudarc itself marks unsafe. CI builds
 //! it (cudarc linked dynamically: it runs where libcuda is).
 
@@ -65,4 +66,36 @@ pub fn add_one(ctx: &Context, f: &CudaFunction, n: usize) -> Result<Vec<f32>, Er
         unsafe { cs.launch_builder(f).arg(&p).arg(&n32).launch(cfg) }?;
     }
     buf.to_vec(&s)
+}
+
+/// Memory that changes hands without copies: a cudarc slice (allocated and written by cudarc)
+/// becomes the crate's buffer, the crate works on it, and it goes back to cudarc as a
+/// `CudaSlice` that cudarc's own kernel launch takes as an ordinary argument, on a stream of
+/// cudarc's own. Returns what cudarc reads back and whether the allocation stayed the same.
+pub fn slices_change_hands(
+    ctx: &Context,
+    cu: &Arc<CudaContext>,
+    f: &CudaFunction,
+) -> Result<(Vec<f32>, bool), Error> {
+    use cudarc::driver::DevicePtr;
+    let n = 4096;
+    let theirs = cu.new_stream()?;
+    let x = theirs.clone_htod(&vec![1.0f32; n])?;
+    let owner = ctx.owner();
+    let s = owner.stream()?;
+    let addr = x.device_ptr(&theirs).0;
+    let mut buf = DeviceBuffer::from_cudarc(x, &s)?; // s waits for the upload
+    let same_in = buf.as_raw().0 == addr;
+    buf.fill(&s, 2.0)?; // the crate's work on it
+    let mut y = buf.into_cudarc(&s)?; // cudarc's slice again, ordered after the fill
+    let same_out = y.device_ptr(&theirs).0 == addr;
+    let n32 = n as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (n32.div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `f` is `add_one(float*, unsigned)` on `y`'s `n` floats.
+    unsafe { theirs.launch_builder(f).arg(&mut y).arg(&n32).launch(cfg) }?;
+    Ok((theirs.clone_dtoh(&y)?, same_in && same_out))
 }

@@ -36,6 +36,10 @@
 //! someone else's stream), and [`CudarcUse`] orders the crate's buffers itself (tested with
 //! tracking off in `tests/cudarc_interop.rs` on the GPU).
 
+mod slices;
+
+pub use slices::ConvertError;
+
 use crate::context::{Context, ContextOptions};
 use crate::driver::{self, CaptureModeGuard, CaptureStatus, Choice, Driver};
 use crate::error::{Error, ErrorCode, Result};
