@@ -46,9 +46,13 @@ pub(crate) fn off_host_fn_thread(f: impl FnOnce() + Send + 'static) {
 
 /// Runs a destructor's work on a thread of its own, detached (if no thread can be started, the
 /// work is leaked: leaking is safe, running it where it cannot complete is not).
+///
+/// Counted for the model while pending (`sync::background_queued`): its driver calls happen at
+/// a time of the machine's choosing, so the model waits for it before its next step.
 pub(crate) fn on_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
     let job = Arc::new(Mutex::new(Some(f)));
     let run = job.clone();
+    crate::sync::background_queued();
     let spawned = std::thread::Builder::new()
         .name("cuda-stream-pool-drop".into())
         .spawn(move || {
@@ -58,10 +62,12 @@ pub(crate) fn on_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
             if let Some(f) = f {
                 f()
             }
+            crate::sync::background_ran();
         });
     if spawned.is_err() {
         let f = job.lock().take();
         std::mem::forget(f);
+        crate::sync::background_ran();
     }
 }
 

@@ -300,8 +300,8 @@ pub(crate) fn yields() -> bool {
     false
 }
 
-/// A wake-up handed to one of the crate's background threads (the waker thread, the loans
-/// thread): counted with feature `model-hooks` (see [`hook::background`]), nothing otherwise.
+/// A wake-up (or a destructor's work) handed to one of the crate's background threads (the
+/// waker thread, the loans thread, a drop's own thread): counted with feature `model-hooks` (see [`hook::background`]), nothing otherwise.
 pub(crate) fn background_queued() {
     #[cfg(feature = "model-hooks")]
     hook::BACKGROUND

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 /// How long the threads that wake futures may take to finish what they were given before the
 /// model calls it a hang (never a verdict on a wake-up: see `Model::await_wake`).
-const HANG_LIMIT: Duration = Duration::from_secs(120);
+pub(super) const HANG_LIMIT: Duration = Duration::from_secs(120);
 /// At most this many futures at once.
 const MAX_FUTS: usize = 16;
 /// Simulated time that completes every piece of work the model enqueues.

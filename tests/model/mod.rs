@@ -1130,7 +1130,41 @@ impl Model {
     }
 
     /// Applies one operation, then checks the invariants.
+    /// Waits until the threads outside the model's control have nothing in progress: no host
+    /// function running on the simulation's thread, no job of the crate's background threads (a
+    /// drop handed off a host-function thread, a wake-up) queued and not run. Their driver calls
+    /// would otherwise land in a later step's window (its call checks, its injected faults) at a
+    /// time that depends on the machine's load: campaign 10 (docs/testing.md) found a free of a
+    /// buffer dropped by a host function checked as a read-back's call. No timing decides it (a
+    /// bound of [`HANG_LIMIT`] reports a job that never ends).
+    fn settle(&self) {
+        let hang = std::time::Instant::now() + futs::HANG_LIMIT;
+        let mut seen = None;
+        loop {
+            // A host function that became due starts at the simulation's next step: this one.
+            self.sim.advance(0);
+            let (hs, hr) = self.sim.host_fn_progress();
+            let (bq, br) = cuda_stream_pool::__model_hooks::background();
+            if hs == hr && bq == br {
+                // Quiet, and nothing new started since the last quiet reading: settled.
+                if seen == Some((hs, bq)) {
+                    return;
+                }
+                seen = Some((hs, bq));
+                continue;
+            }
+            assert!(
+                std::time::Instant::now() < hang,
+                "a hang: a host function or a job of the crate's background threads did not \
+                 finish in {:?}",
+                futs::HANG_LIMIT
+            );
+            std::thread::yield_now();
+        }
+    }
+
     pub fn step(&mut self, op: &Op) {
+        self.settle();
         self.steps += 1;
         let mut acquired = false;
         match op {
