@@ -172,7 +172,9 @@ Strategies (where each task's stream comes from):
             would (what the seed fixed); stopped after --deferred-cap seconds
   cudarc    cudarc's CudaContext::new_stream per task, as cudarc users write it today (build
             with --features cudarc; needs a GPU)
-Columns: x_floor = time per owner / the same row's floor (- when floor did not run);
+Columns: x_floor = time per owner / the same row's floor (- when floor did not run; with
+  --repeat, of the median runs); x_spread = lowest-highest of run i / floor's run i (the
+  strategies take turns);
   us/owner = wall time per task; streams = peak live streams (the pool's include its disposal
   stream); mem_MiB = peak device memory above the row's start; sync_ms = a final
   cuCtxSynchronize.";
@@ -183,7 +185,9 @@ JSON (--json, --json-out): one object per line, fields (stable: added, never ren
   workload, strategy (strings), threads, tasks (integers; tasks done), wall_s (number),
   ratio_to_floor (number, or null when floor did not run), us_per_owner (number),
   peak_streams, peak_mem_bytes (integers), final_sync_s (number), capped (boolean),
-  repeats (integer), driver (\"cuda\" or \"sim\"), mem_pool (\"own\" or \"default\").";
+  repeats (integer), ratio_min, ratio_max (numbers, or null when floor did not run: the
+  lowest and highest of run i over floor's run i), driver (\"cuda\" or \"sim\"), mem_pool
+  (\"own\" or \"default\").";
 
 /// The seed's workloads (many short owners; producer/consumer) with each stream strategy.
 #[derive(Debug, clap::Parser)]
@@ -293,6 +297,7 @@ impl Row {
 /// | `final_sync_s` | number | seconds of the final `cuCtxSynchronize` |
 /// | `capped` | boolean | `deferred` hit `--deferred-cap` |
 /// | `repeats` | integer | runs of the row; the median one is reported |
+/// | `ratio_min`, `ratio_max` | number or `null` | the spread of the ratio over the repeats: run *i* of the strategy over run *i* of `floor` (they take turns), lowest and highest; `null` when `floor` did not run |
 /// | `driver` | string | `cuda` or `sim` |
 #[derive(Debug, serde::Serialize)]
 pub struct JsonRow {
@@ -308,6 +313,8 @@ pub struct JsonRow {
     pub final_sync_s: f64,
     pub capped: bool,
     pub repeats: usize,
+    pub ratio_min: Option<f64>,
+    pub ratio_max: Option<f64>,
     pub driver: String,
     pub mem_pool: &'static str,
 }
@@ -634,13 +641,14 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
     if !opts.json {
         out("")?;
         out(&format!(
-            "{:<9} {:<9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9}",
+            "{:<9} {:<9} {:>7} {:>7} {:>8} {:>8} {:>11} {:>9} {:>8} {:>9} {:>9}",
             "workload",
             "strategy",
             "threads",
             "tasks",
             "wall_s",
             "x_floor",
+            "x_spread",
             "us/owner",
             "streams",
             "mem_MiB",
@@ -682,7 +690,22 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                 }
             }
             let mut floor_per = None;
+            // Run i of the floor, for the paired ratios (the strategies took turns).
+            let floor_runs: Option<Vec<f64>> = order
+                .iter()
+                .position(|s| *s == "floor")
+                .map(|i| runs[i].iter().map(Row::per_owner).collect());
             for mut group in runs {
+                let paired: Vec<f64> = floor_runs.as_ref().map_or_else(Vec::new, |f| {
+                    group
+                        .iter()
+                        .zip(f)
+                        .map(|(r, f)| r.per_owner() / f)
+                        .filter(|x| x.is_finite())
+                        .collect()
+                });
+                let ratio_min = paired.iter().copied().reduce(f64::min);
+                let ratio_max = paired.iter().copied().reduce(f64::max);
                 group.sort_by(|a, b| a.per_owner().total_cmp(&b.per_owner()));
                 let n = group.len();
                 let r = group.swap_remove(n / 2);
@@ -704,6 +727,8 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                     final_sync_s: r.final_sync,
                     capped: r.capped,
                     repeats: n,
+                    ratio_min,
+                    ratio_max,
                     driver: ctx.driver().kind().to_string(),
                     mem_pool: opts.mem_pool.name(),
                 };
@@ -718,13 +743,17 @@ pub fn run(ctx: &Context, opts: &Options) -> DemoResult<()> {
                     out(&line)?;
                 } else {
                     out(&format!(
-                        "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
+                        "{:<9} {:<9} {:>7} {:>7} {:>8.3} {:>8} {:>11} {:>9.1} {:>8} {:>9.1} {:>9.2}{}",
                         r.workload,
                         r.strategy,
                         r.threads,
                         r.tasks,
                         r.wall,
                         ratio.map_or_else(|| "-".to_string(), |x| format!("{x:.2}")),
+                        match (ratio_min, ratio_max) {
+                            (Some(a), Some(b)) => format!("{a:.2}-{b:.2}"),
+                            _ => "-".to_string(),
+                        },
                         per,
                         r.peak_streams,
                         r.peak_mem as f64 / (1 << 20) as f64,

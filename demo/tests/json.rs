@@ -27,7 +27,7 @@ fn demo(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 15] = [
     "workload",
     "strategy",
     "threads",
@@ -40,6 +40,8 @@ const FIELDS: [&str; 13] = [
     "final_sync_s",
     "capped",
     "repeats",
+    "ratio_min",
+    "ratio_max",
     "driver",
 ];
 
@@ -61,6 +63,7 @@ fn without_floor_the_ratio_is_null() {
         assert_eq!(r["tasks"], 8);
         assert_eq!(r["capped"], false);
         assert!(r["ratio_to_floor"].is_null(), "{r}");
+        assert!(r["ratio_min"].is_null() && r["ratio_max"].is_null(), "{r}");
         assert!(r["us_per_owner"].as_f64().unwrap() > 0.0, "{r}");
     }
 }
@@ -109,4 +112,34 @@ fn with_floor_every_row_has_a_ratio_and_json_out_matches_stdout() {
     let written = rows(&std::fs::read(&file).unwrap());
     assert_eq!(written, printed);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With `--repeat`, every row reports the spread of its paired ratios (run i over the floor's
+/// run i); the floor's own is exactly 1.
+#[test]
+fn repeats_report_the_spread_of_the_paired_ratios() {
+    let o = demo(&[
+        "--strategies",
+        "floor,pool",
+        "--workloads",
+        "short",
+        "--repeat",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows = rows(&o.stdout);
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["repeats"], 3, "{r}");
+        let (lo, mid, hi) = (
+            r["ratio_min"].as_f64().unwrap_or_else(|| panic!("{r}")),
+            r["ratio_to_floor"].as_f64().unwrap(),
+            r["ratio_max"].as_f64().unwrap_or_else(|| panic!("{r}")),
+        );
+        if r["strategy"] == "floor" {
+            assert_eq!((lo, mid, hi), (1.0, 1.0, 1.0), "{r}");
+        } else {
+            assert!(lo > 0.0 && lo <= hi, "{r}");
+        }
+    }
 }
