@@ -1039,7 +1039,40 @@ impl Model {
     /// Checks the calls a buffer operation made: event records and frees may only touch the
     /// buffer's last stream while that stream has not been handed to anyone since (or the
     /// disposal stream); waits only the target stream.
-    fn check_buffer_calls(&self, last: (u64, u64), ptr: u64, target: Option<u64>) {
+    /// Clears the call log for a window of calls to check, and returns the counters of the
+    /// threads outside the model's control (host functions started, background jobs queued),
+    /// for [`Model::check_buffer_calls`].
+    fn open_window(&self) -> (u64, u64) {
+        // Nothing in flight when the window opens: whatever runs in it was started in it.
+        self.settle();
+        self.sim.clear_calls();
+        self.open_window_counters()
+    }
+
+    fn open_window_counters(&self) -> (u64, u64) {
+        (
+            self.sim.host_fn_progress().0,
+            cuda_stream_pool::__model_hooks::background().0,
+        )
+    }
+
+    fn check_buffer_calls(
+        &self,
+        window: (u64, u64),
+        last: (u64, u64),
+        ptr: u64,
+        target: Option<u64>,
+    ) {
+        // A host function that the window's calls started (counted when handed to the
+        // simulation's thread, in the call), or a job it handed to the crate's background
+        // threads (a buffer's drop), makes calls of its own at a time of the machine's choosing,
+        // which the log cannot tell from the window's: such a window is not checked. Whether a
+        // host function starts is the simulation's (deterministic); only its calls' timing is
+        // not, and skipping can only miss, never fail wrongly. The next step's settle point
+        // waits for them.
+        if self.open_window_counters() != window {
+            return;
+        }
         let disposal = self.ctx().disposal_stream().0;
         for c in self.sim.calls() {
             let st = c.stream.map(|s| s.0);
@@ -1116,10 +1149,10 @@ impl Model {
         let (last, _, current) = buf.b.last_use().unwrap();
         let last_capturing = current && self.capture_of(last.0).is_some();
         let only = Arc::strong_count(&buf.b) == 1;
-        self.sim.clear_calls();
+        let window = self.open_window();
         drop(buf.b);
         if only {
-            self.check_buffer_calls(buf.last, p.0, None);
+            self.check_buffer_calls(window, buf.last, p.0, None);
             if last_capturing {
                 let freed = self.sim.calls().iter().any(|c| {
                     c.name == "cuMemFreeAsync" && c.ptr == Some(p) && c.stream == Some(last)
@@ -1305,11 +1338,16 @@ impl Model {
                     if let Ok(s) = o.stream() {
                         self.sync_holdings();
                         if !self.capturing(&s) {
-                            self.sim.clear_calls();
+                            let window = self.open_window();
                             let b = self.bufs[j].b.clone();
                             let r = b.use_on(&s);
                             let raw = s.raw().0;
-                            self.check_buffer_calls(self.bufs[j].last, b.as_raw().0, Some(raw));
+                            self.check_buffer_calls(
+                                window,
+                                self.bufs[j].last,
+                                b.as_raw().0,
+                                Some(raw),
+                            );
                             // The use is recorded when its guard drops.
                             let ok = r.is_ok();
                             drop(r);
