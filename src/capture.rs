@@ -37,6 +37,12 @@ use crate::stream::StreamRef;
 ///   capture in progress is untouched.
 /// * [`CaptureGuard::end`] returns the [`Graph`]; an invalidated capture reports its error there.
 /// * Dropped without `end`, the guard ends the capture and destroys the partial graph.
+/// * When the driver fails the end three times and does not say the stream stopped capturing,
+///   the stream may still be capturing: it is never used again (never handed to another owner,
+///   never queried or destroyed), and it keeps its place under its key's cap
+///   ([`crate::ContextOptions::max_live_streams_per_key`]) for the rest of the state's life: a
+///   waiter at that cap is served only by the key's other streams. (Found by the fuzzer; a
+///   later retry of the end is not implemented.)
 ///
 /// ```
 /// use cuda_stream_pool::{driver, Context, DeviceBuffer};

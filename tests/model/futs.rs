@@ -520,6 +520,16 @@ impl Model {
         if self.queued(key) || !holds {
             return;
         }
+        // A stream whose capture the crate could not end (three failed tries: see
+        // `check_capture_ended`) stays out of circulation for good and keeps its place under the
+        // cap: what such an owner gives back cannot serve the thread. Campaign 11's finding
+        // `regression-stuck-capture-holds-its-cap-d0303a4b` before this.
+        let gives_back_stuck = self.owners[i].1.streams().iter().any(|(q, s)| {
+            *q == key && self.stuck.iter().any(|&(_, r)| r == s.raw().0)
+        });
+        if gives_back_stuck {
+            return;
+        }
         let (id, o) = self.owners.swap_remove(i);
         let o = match Rc::try_unwrap(o) {
             Ok(o) => o,
@@ -534,6 +544,7 @@ impl Model {
             .find(|(q, _)| *q == key)
             .map(|(_, s)| s.raw())
             .expect("checked above");
+
         let ctx = self.ctx().clone();
         let (sim, other) = (self.sim.clone(), self.other);
         let t = std::thread::spawn(move || {
