@@ -524,9 +524,11 @@ impl Model {
         // `check_capture_ended`) stays out of circulation for good and keeps its place under the
         // cap: what such an owner gives back cannot serve the thread. Campaign 11's finding
         // `regression-stuck-capture-holds-its-cap-d0303a4b` before this.
-        let gives_back_stuck = self.owners[i].1.streams().iter().any(|(q, s)| {
-            *q == key && self.stuck.iter().any(|&(_, r)| r == s.raw().0)
-        });
+        let gives_back_stuck = self.owners[i]
+            .1
+            .streams()
+            .iter()
+            .any(|(q, s)| *q == key && self.stuck.iter().any(|&(_, r)| r == s.raw().0));
         if gives_back_stuck {
             return;
         }
