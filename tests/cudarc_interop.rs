@@ -564,3 +564,116 @@ fn a_slice_from_a_buffer_keeps_its_stream_lent_until_cudarc_frees_it() {
         "the loan did not end with cudarc's free"
     );
 }
+
+// Pins review 9's finding 3 (a second `Arc<CudaContext>` of the same CUDA context joined the
+// shared state without a keeper stream, so cudarc never ordered its slices across streams).
+/// Every `Arc<CudaContext>` adopted is kept in cudarc's multi-stream mode (cudarc orders its
+/// slices across the lent streams only then), also when it joins a state another `Arc` made.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn every_adopted_cudarc_context_is_kept_in_multi_stream_mode() {
+    let _serial = common::gpu_lock();
+    let cu_a = CudaContext::new(0).unwrap();
+    let ctx_a = Context::from_cudarc(&cu_a).unwrap();
+    let cu_b = CudaContext::new(0).unwrap();
+    let ctx_b = Context::from_cudarc(&cu_b).unwrap();
+    assert!(
+        ctx_a == ctx_b,
+        "two Arcs of one CUDA context got two states"
+    );
+    assert!(cu_a.is_managing_stream_synchronization());
+    assert!(
+        cu_b.is_managing_stream_synchronization(),
+        "the joining Arc is not in multi-stream mode"
+    );
+    let again = Context::from_cudarc(&cu_b).unwrap();
+    assert!(again == ctx_a);
+}
+
+// Pins review 9's finding 4 (cudarc's calls inside the conversions left cudarc's context
+// current on the calling thread).
+/// Both conversions leave the calling thread's current context as they found it.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn conversions_leave_the_callers_current_context() {
+    use cuda_stream_pool::driver;
+    let _serial = common::gpu_lock();
+    let d = common::cuda();
+    let cu = CudaContext::new(0).unwrap();
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let buf = DeviceBuffer::<f32>::zeroed(&s, 256).unwrap();
+    // SAFETY: null: no context current on this thread.
+    unsafe { d.ctx_set_current(driver::Context::NULL) }.unwrap();
+    let x = buf.into_cudarc(&s).unwrap();
+    assert_eq!(
+        d.ctx_get_current().unwrap(),
+        driver::Context::NULL,
+        "into_cudarc"
+    );
+    let b = DeviceBuffer::from_cudarc(x, &s).unwrap();
+    assert_eq!(
+        d.ctx_get_current().unwrap(),
+        driver::Context::NULL,
+        "from_cudarc"
+    );
+    assert_eq!(b.to_vec(&s).unwrap(), vec![0.0; 256]);
+}
+
+// Pins review 9's finding 5 (an error an earlier cudarc call stored made cudarc's event creation
+// panic inside `into_cudarc`, and the error was lost).
+/// An error stored in cudarc's context refuses the conversion with that error, which stays
+/// stored for cudarc's user; once taken, the conversion goes through.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_stored_cudarc_error_refuses_the_conversion_and_stays_stored() {
+    use cudarc::driver::{sys::CUresult, DriverError};
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let buf = DeviceBuffer::<f32>::zeroed(&s, 256).unwrap();
+    cu.record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_LAUNCH_TIMEOUT)));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| buf.into_cudarc(&s)))
+        .expect("into_cudarc panicked");
+    let e = r.unwrap_err();
+    assert_eq!(
+        e.error.code(),
+        Some(cuda_stream_pool::ErrorCode(
+            CUresult::CUDA_ERROR_LAUNCH_TIMEOUT as u32
+        ))
+    );
+    assert!(cu.check_err().is_err(), "the stored error was swallowed");
+    let x = e.value.into_cudarc(&s).unwrap();
+    let cs = s.cudarc_stream().unwrap();
+    let y = cs.clone_htod(&[1u32; 4]).unwrap();
+    cu.record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_LAUNCH_TIMEOUT)));
+    let e = DeviceBuffer::from_cudarc(y, &s).unwrap_err();
+    assert!(e.error.code().is_some(), "{}", e.error);
+    assert!(cu.check_err().is_err(), "the stored error was swallowed");
+    drop((x, e));
+}
+
+// Pins review 9's finding 3 (a slice of the per-thread default stream was ordered after the
+// converting thread's per-thread stream, which is another stream than the one it was used on).
+/// A slice of the per-thread default stream is refused, and given back.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_slice_of_the_per_thread_stream_is_refused() {
+    let _serial = common::gpu_lock();
+    let cu = CudaContext::new(0).unwrap();
+    let ctx = Context::from_cudarc(&cu).unwrap();
+    let pts = cu.per_thread_stream();
+    let x = pts.clone_htod(&[3u32; 8]).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    let e = DeviceBuffer::from_cudarc(x, &s).unwrap_err();
+    assert!(
+        matches!(e.error, cuda_stream_pool::Error::InvalidArgument(_)),
+        "{}",
+        e.error
+    );
+    assert_eq!(pts.clone_dtoh(&e.value).unwrap(), vec![3; 8]);
+}

@@ -19,8 +19,10 @@
 //!   [`CudarcUse`]).
 //!
 //! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
-//! mode carry no events: cudarc does not order them across streams (as with its own
-//! `new_stream`); allocate them afterwards, or order them yourself.
+//! mode carry events that nothing recorded until then: cudarc does not order their earlier uses
+//! across streams (as with its own `new_stream`); allocate them afterwards, or order them
+//! yourself. Every `Arc<CudaContext>` adopted (several of one CUDA context join one state) is
+//! kept in multi-stream mode by a keeper stream of its own.
 //!
 //! What [`Context::from_cudarc`] changes of cudarc's context, for the whole process: it creates
 //! one cudarc stream and holds it while the state lives, so cudarc is in multi-stream mode from
@@ -137,13 +139,25 @@ impl Context {
     fn from_cudarc_opt(cu: &Arc<CudaContext>, options: Option<ContextOptions>) -> Result<Context> {
         let (drv, _) = driver::load(Choice::Cuda)?;
         let raw = driver::Context::from(cu.cu_ctx());
-        // Already shared and keeping a cudarc context of this CUDA context (this `Arc` or
-        // another, with its keeper stream, which keeps that one in multi-stream mode; the
-        // state lends its streams through it): joined as it is, so that adopting again and
-        // again adds nothing (not even a keeper stream).
+        // Already shared and keeping this very `Arc<CudaContext>` (with its keeper stream,
+        // which keeps it in multi-stream mode): joined as it is, so that adopting again and
+        // again adds nothing (not even a keeper stream). Another `Arc` of the same CUDA context
+        // joins too, below, but with a keeper of its own: cudarc's multi-stream mode is per
+        // `CudaContext` object, and without it the slices of that `Arc` carry no ordering across
+        // the lent streams (review 9, finding 3).
+        let keeps_this = |list: &[Box<dyn std::any::Any + Send + Sync>]| {
+            list.iter().any(|k| {
+                k.downcast_ref::<CudarcKeep>()
+                    .is_some_and(|k| Arc::ptr_eq(&k._ctx, cu))
+            })
+        };
         let keeps_cudarc = |s: &crate::context::CtxInner| {
-            s.find_keep_alive(|k| k.downcast_ref::<CudarcKeep>().map(|_| ()))
-                .is_some()
+            s.find_keep_alive(|k| {
+                k.downcast_ref::<CudarcKeep>()
+                    .filter(|k| Arc::ptr_eq(&k._ctx, cu))
+                    .map(|_| ())
+            })
+            .is_some()
         };
         let isolated = options.is_some_and(|o| o.isolated);
         if !isolated {
@@ -162,13 +176,11 @@ impl Context {
             _ctx: cu.clone(),
         };
         let keep: Option<Box<dyn std::any::Any + Send + Sync>> = Some(Box::new(keep));
-        // A shared state that keeps a cudarc context already (another `Arc<CudaContext>` of the
-        // same CUDA context) lends its streams through that one: this keeper is not needed.
-        let lacks_keeper = |list: &[Box<dyn std::any::Any + Send + Sync>]| {
-            !list
-                .iter()
-                .any(|k| k.downcast_ref::<CudarcKeep>().is_some())
-        };
+        // A shared state that keeps this `Arc` already (another thread adopted it meanwhile)
+        // needs no second keeper of it; one that keeps only other `Arc`s of the same CUDA
+        // context keeps this one too, so that it stays in multi-stream mode (its streams are
+        // still lent through the first).
+        let lacks_keeper = |list: &[Box<dyn std::any::Any + Send + Sync>]| !keeps_this(list);
         // SAFETY: `raw` is cudarc's live context, loaded from the same libcuda; the
         // `Arc<CudaContext>` in `keep` keeps it alive until this state's teardown is over.
         unsafe { Context::adopt_keeping(drv, raw, keep, options, &lacks_keeper) }

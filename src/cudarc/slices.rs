@@ -13,11 +13,11 @@
 //! A refused conversion gives the value back ([`ConvertError`]), so nothing is freed or leaked
 //! by a failure.
 
-use crate::driver::{self, CaptureStatus, DevicePtr};
+use crate::driver::{self, CaptureStatus, DevicePtr, Driver};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceCopy};
 use crate::stream::StreamRef;
-use cudarc::driver::{CudaSlice, DevicePtr as _, DevicePtrMut as _, SyncOnDrop};
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtr as _, DevicePtrMut as _, SyncOnDrop};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// A refused conversion: why, and the value, given back unchanged (nothing was freed).
@@ -60,6 +60,43 @@ fn refused<V>(error: Error, value: V) -> ConvertError<V> {
     ConvertError { error, value }
 }
 
+/// Puts the thread's current context back when dropped, if it changed: cudarc's calls
+/// (`bind_to_thread`) make cudarc's context current, and the crate leaves the caller's as it found
+/// it (review 9, finding 4).
+struct KeepCurrent<'d> {
+    d: &'d dyn Driver,
+    before: driver::Context,
+}
+
+impl<'d> KeepCurrent<'d> {
+    fn new(d: &'d dyn Driver) -> Result<Self> {
+        Ok(KeepCurrent {
+            d,
+            before: d.ctx_get_current()?,
+        })
+    }
+}
+
+impl Drop for KeepCurrent<'_> {
+    fn drop(&mut self) {
+        if self.d.ctx_get_current().ok() != Some(self.before) {
+            // SAFETY: `before` was current on this thread when the conversion began (or null:
+            // none); setting it back is what the caller had.
+            driver::tries(|| unsafe { self.d.ctx_set_current(self.before) });
+        }
+    }
+}
+
+/// Refuses when cudarc's context holds an error an earlier cudarc call stored (cudarc's next
+/// `bind_to_thread` would take it and fail, and its event creation `unwrap`s that failure: a
+/// panic). The error stays stored for its owner, and is the refusal's (review 9, finding 5).
+fn no_stored_error(cu: &CudaContext) -> Result<()> {
+    cu.check_err().map_err(|e| {
+        cu.record_err::<()>(Err(e));
+        Error::from(e)
+    })
+}
+
 /// The raw event in a `SyncOnDrop::Record`, taken out so that dropping the guard records nothing.
 fn take_event(sync: &mut SyncOnDrop<'_>) -> Option<driver::Event> {
     match sync {
@@ -97,8 +134,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Errors
     /// The buffer back, in a [`ConvertError`], with [`Error::InvalidArgument`] when the context
     /// was not adopted from cudarc, the stream is lent as another type or is of another context
-    /// than the buffer, or a graph still uses the buffer; [`Error::CaptureInProgress`] when the
-    /// stream is capturing or the buffer's last use is in a capture in progress; the driver's
+    /// than the buffer, or a graph still uses the buffer; an error stored in cudarc's context by
+    /// an earlier cudarc call (it stays stored for its owner); [`Error::CaptureInProgress`] when
+    /// the stream is capturing or the buffer's last use is in a capture in progress; the driver's
     /// error of the ordering or of the event record (then the buffer is back, and cudarc
     /// created nothing that outlives the call).
     pub fn into_cudarc(
@@ -109,6 +147,13 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             Ok(cs) => cs,
             Err(e) => return Err(refused(e, self)),
         };
+        let keep = match KeepCurrent::new(&*stream.ctx.inner.driver) {
+            Ok(k) => k,
+            Err(e) => return Err(refused(e, self)),
+        };
+        if let Err(e) = no_stored_error(cs.context()) {
+            return Err(refused(e, self));
+        }
         let (ptr, len) = self.into_raw_on(stream).map_err(|(e, b)| refused(e, b))?;
         // Back to a buffer: the allocation is still ours and ordered on `stream`.
         // SAFETY: `ptr` is the allocation of `len` elements that `into_raw_on` gave up, of
@@ -149,6 +194,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 }
             }
         }
+        drop(keep);
         Ok(slice)
     }
 
@@ -158,8 +204,21 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// freed, ordered after its last use, as every buffer is, with `cuMemFreeAsync`, as cudarc
     /// would free it).
     ///
-    /// With cudarc's event tracking off, the slice has no events: uses on streams other than its
-    /// own must be complete or ordered before `stream` by the caller, as cudarc requires.
+    /// What cudarc records is what the crate can wait for, and cudarc's own drop of the slice
+    /// relies on no more:
+    /// * cudarc keeps one read event per slice, re-recorded at every read: of several reads on
+    ///   different streams only the last is seen. Synchronize the other readers (or their
+    ///   streams) first. Launches of a cudarc graph record no events at all.
+    /// * With cudarc's event tracking off, the slice has no events: uses on streams other than
+    ///   its own must be complete or ordered before `stream` by the caller, as cudarc requires.
+    /// * An event last recorded inside a capture in progress (another thread's capture that
+    ///   used the slice) cannot be told from a plain one: the wait joins that capture, which
+    ///   then fails to end (`CUDA_ERROR_STREAM_CAPTURE_UNJOINED`), as cudarc's drop of the slice
+    ///   would. Do not convert a slice a capture in progress has used.
+    /// * The capture checks and the waits are separate calls: a capture that another thread
+    ///   begins in between on a stream involved (the slice's, or the legacy stream that
+    ///   blocking streams wait for) is joined or invalidated, as with any two threads sharing a
+    ///   CUDA stream (see the limit at [`StreamRef::lend`]).
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -176,14 +235,20 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Errors
     /// The slice back, in a [`ConvertError`], with [`Error::InvalidArgument`] when the slice is
     /// of another CUDA context than the stream (any state of the slice's CUDA context takes it,
-    /// adopted from cudarc or not) or empty, or the device has no memory pools (cudarc's slices are then not
+    /// adopted from cudarc or not), empty, or on the per-thread default stream, or the device has no memory pools (cudarc's slices are then not
     /// stream-ordered memory); [`Error::CaptureInProgress`] when `stream` or the slice's stream is
-    /// capturing; the driver's error of a wait (nothing of the slice was given up then).
+    /// capturing; an error stored in cudarc's context by an earlier cudarc call (it stays
+    /// stored for its owner); the driver's error of a wait (nothing of the slice was given up
+    /// then).
     pub fn from_cudarc(
         mut slice: CudaSlice<T>,
         stream: &StreamRef<'_>,
     ) -> std::result::Result<Self, ConvertError<CudaSlice<T>>> {
         let ci = &stream.ctx.inner;
+        let keep = match KeepCurrent::new(&*ci.driver) {
+            Ok(k) => k,
+            Err(e) => return Err(refused(e, slice)),
+        };
         if driver::Context::from(slice.context().cu_ctx()) != stream.ctx.raw() {
             let e = Error::invalid("the slice belongs to another CUDA context than the stream");
             return Err(refused(e, slice));
@@ -198,22 +263,26 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         if let Err(e) = stream.not_capturing("taking a cudarc slice") {
             return Err(refused(e, slice));
         }
-        // cudarc allocates with `cuMemAllocAsync` where the device has memory pools, else with
-        // `cuMemAlloc`, which the crate's `cuMemFreeAsync` must not free.
-        let pools = ci.driver.device_attribute(
-            stream.ctx.device(),
-            driver::DeviceAttr::MemoryPoolsSupported,
-        );
-        match pools {
-            Ok(1) => {}
-            Ok(_) => {
-                let e = Error::invalid(
-                    "the device has no memory pools: cudarc's slices are not stream-ordered \
-                     memory there, and the crate frees only that",
-                );
-                return Err(refused(e, slice));
-            }
-            Err(e) => return Err(refused(e, slice)),
+        // cudarc allocates with `cuMemAllocAsync` where its context found memory pools, else
+        // with `cuMemAlloc`, which the crate's `cuMemFreeAsync` must not free.
+        if !slice.context().has_async_alloc() {
+            let e = Error::invalid(
+                "the device has no memory pools: cudarc's slices are not stream-ordered memory \
+                 there, and the crate frees only that",
+            );
+            return Err(refused(e, slice));
+        }
+        if let Err(e) = no_stored_error(slice.context()) {
+            return Err(refused(e, slice));
+        }
+        // The per-thread default stream's handle names another stream on every thread: the
+        // slice's work may be on another thread's (review 9, finding 3).
+        if slice.stream().cu_stream() as usize == 0x2 {
+            let e = Error::invalid(
+                "the slice is on the per-thread default stream, which names another stream on \
+                 each thread: move it to a stream of its own (or synchronize) first",
+            );
+            return Err(refused(e, slice));
         }
         let theirs = driver::Stream::from(slice.stream().cu_stream());
         let mine = stream.slot.enqueue();
@@ -232,11 +301,12 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 // SAFETY: both streams are alive and neither is capturing (checked above).
                 unsafe { ci.order_raw(theirs, mine) }?;
             }
-            // ... then the slice's events (its uses on every stream), taken out of cudarc's
-            // guards, which would record them when dropped: not wanted, nothing is enqueued for
-            // the slice. Asked for on the slice's own stream, where cudarc makes the stream wait
-            // on them (as its `leak` below does too, after the ordering above: not in it); the
-            // waits that count are the crate's, on `stream`, checked.
+            // ... then the slice's events (its last read and last write, on any stream), taken
+            // out of cudarc's guards, which would record them when dropped: not wanted, nothing
+            // is enqueued for the slice. cudarc makes the slice's own stream wait on them when
+            // they are asked for (as its `leak` below does too); that wait comes after the
+            // ordering above, so it orders nothing for `stream`: the crate's own waits below
+            // do, checked.
             let own = slice.stream().clone();
             let write = take_event(&mut slice.device_ptr_mut(&own).1);
             let read = take_event(&mut slice.device_ptr(&own).1);
@@ -253,6 +323,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // cudarc's `leak` makes the slice's stream wait for its events too (noting a failure in
         // cudarc's context only): not needed, `stream` already waits for all of it.
         let ptr = DevicePtr(slice.leak());
+        drop(keep);
         // SAFETY: `ptr` is the slice's allocation of `len` elements of `T`, of `stream`'s
         // context (checked), which the slice gave up; it is stream-ordered memory, freed by
         // `cuMemFreeAsync` (how cudarc frees it on a device with memory pools: checked above);
