@@ -747,6 +747,41 @@ struct Reentrant {
     action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
+/// Re-entrant wakers' actions begun and ended, on any thread (the poller's, the crate's waker
+/// thread, the model's).
+pub(super) static ACTIONS: (std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64) = (
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+);
+
+/// Counts an action as ended when dropped (after it returned or panicked).
+struct Ran;
+
+impl Drop for Ran {
+    fn drop(&mut self) {
+        ACTIONS.1.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Reentrant {
+    fn drop(&mut self) {
+        // An action that never fired is dropped with the last clone of the waker, wherever
+        // that is (the poller's thread, when the crate lets go of a stored waker): a buffer it
+        // holds is freed there. Counted as an action (CI's loaded run found such a free in a
+        // window of checked calls).
+        let f = self
+            .action
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(f) = f {
+            ACTIONS.0.fetch_add(1, Ordering::SeqCst);
+            let _ran = Ran;
+            drop(f);
+        }
+    }
+}
+
 impl Reentrant {
     fn fire(&self, now: At) {
         if now == self.at
@@ -756,6 +791,10 @@ impl Reentrant {
         {
             let f = self.action.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(f) = f {
+                // Counted before it runs (its driver calls may land in a window of checked calls,
+                // at a time of the machine's choosing: `Model::check_buffer_calls`) and after.
+                ACTIONS.0.fetch_add(1, Ordering::SeqCst);
+                let _ran = Ran;
                 if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
                     let msg = e
                         .downcast_ref::<String>()
