@@ -398,7 +398,13 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 d.mem_alloc_async(padded, stream.slot.enqueue())
             }
         }?;
-        Ok(DeviceBuffer {
+        Ok(Self::owning(stream, ptr, bytes, len))
+    }
+
+    /// The buffer that owns allocation `ptr` (`bytes` of it in use, `len` elements), its last
+    /// use `stream`'s current generation.
+    fn owning(stream: &StreamRef<'_>, ptr: DevicePtr, bytes: usize, len: usize) -> Self {
+        DeviceBuffer {
             core: Arc::new(BufCore {
                 ctx: stream.ctx.clone(),
                 ptr,
@@ -412,7 +418,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             }),
             len,
             _t: PhantomData,
-        })
+        }
     }
 
     /// A buffer of an allocation that another owner hands to the crate (cudarc's `CudaSlice`),
@@ -425,21 +431,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// before the work `stream` has now (the crate frees it ordered after that).
     #[cfg(feature = "cudarc")]
     pub(crate) unsafe fn from_raw_on(stream: &StreamRef<'_>, ptr: DevicePtr, len: usize) -> Self {
-        DeviceBuffer {
-            core: Arc::new(BufCore {
-                ctx: stream.ctx.clone(),
-                ptr,
-                bytes: len * std::mem::size_of::<T>(),
-                last: Mutex::new(LastUse {
-                    slot: stream.slot.clone(),
-                    gen: stream.gen,
-                }),
-                holder: AtomicU64::new(0),
-                owned: true,
-            }),
-            len,
-            _t: PhantomData,
-        }
+        Self::owning(stream, ptr, len * std::mem::size_of::<T>(), len)
     }
 
     /// Hands the allocation over (to cudarc's `CudaSlice`): once `stream` is ordered after the

@@ -302,6 +302,12 @@ fn with_stream_held<R>(stream: cuda_stream_pool::driver::Stream, work: impl FnOn
     r
 }
 
+/// Asserts that every value is `want`; `what` says what a wrong one means.
+fn assert_all(v: &[f32], want: f32, what: &str) {
+    let wrong = v.iter().filter(|&&e| e != want).count();
+    assert_eq!(wrong, 0, "{wrong} of {} values {what}: {}", v.len(), v[0]);
+}
+
 /// `rounds` launches of `csp_add_one_f32` on cudarc stream `cs` over the slice: a queue of
 /// work long enough that anything unordered after it runs before it ends.
 fn queue_add_ones(
@@ -372,12 +378,7 @@ fn into_cudarc_keeps_the_allocation_and_orders_cudarc_after_the_crates_work() {
             (theirs.clone_dtoh(&x).unwrap(), x)
         })
     });
-    let wrong = v.iter().filter(|&&e| e != 12.0).count();
-    assert_eq!(
-        wrong, 0,
-        "{wrong} of {n} values not after the crate's work: {}",
-        v[0]
-    );
+    assert_all(&v, 12.0, "not after the crate's work");
     assert_eq!(x.device_ptr(&theirs).0, addr, "the memory was copied");
 }
 
@@ -406,12 +407,7 @@ fn from_cudarc_waits_for_cudarc_work_on_every_stream() {
         (buf.to_vec(&s).unwrap(), buf)
     });
     assert_eq!(buf.as_raw().0, addr, "the memory was copied");
-    let wrong = v.iter().filter(|&&e| e != 10.0).count();
-    assert_eq!(
-        wrong, 0,
-        "{wrong} of {n} values read before cudarc's work: {}",
-        v[0]
-    );
+    assert_all(&v, 10.0, "read before cudarc's work");
 }
 
 /// With cudarc's event tracking off a slice has no events; its work on its own stream is still
@@ -438,12 +434,7 @@ fn from_cudarc_waits_for_the_slices_own_stream_with_event_tracking_off() {
     });
     // SAFETY: as above.
     unsafe { cu.enable_event_tracking() };
-    let wrong = v.iter().filter(|&&e| e != 10.0).count();
-    assert_eq!(
-        wrong, 0,
-        "{wrong} of {n} values read before cudarc's work: {}",
-        v[0]
-    );
+    assert_all(&v, 10.0, "read before cudarc's work");
 }
 
 /// Refused conversions give the value back, unchanged and usable (issue 21): a buffer a graph
