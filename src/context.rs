@@ -1154,9 +1154,10 @@ impl Context {
             .fold(PoolStats::default(), |a, b| a + b)
     }
 
-    /// Streams of this context alive now: the pools' (held and retired) plus the disposal
-    /// stream. Reads counters only (no driver call), so it is cheap enough to sample often.
-    /// Streams of [`crate::OwnedStream`]s are not counted.
+    /// Streams of this context alive now: the pools' (held and retired), the disposal stream,
+    /// and the completion poller's doorbell stream once a completion made while the poller was
+    /// idle needed it (see [`crate::Completion`]). Reads counters only (no driver call), so it
+    /// is cheap enough to sample often. Streams of [`crate::OwnedStream`]s are not counted.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
@@ -1169,7 +1170,8 @@ impl Context {
     /// assert_eq!(ctx.live_streams(), 3);
     /// ```
     pub fn live_streams(&self) -> u64 {
-        1 + self.inner.all_pools().iter().map(|p| p.live()).sum::<u64>()
+        let doorbell = self.inner.hub.get().map_or(0, |h| h.streams());
+        1 + doorbell + self.inner.all_pools().iter().map(|p| p.live()).sum::<u64>()
     }
 
     /// Counters of the pool of one priority (non-blocking streams).

@@ -9,13 +9,15 @@
 //! the write has landed, and with the entry whatever host memory the GPU still writes into (the
 //! staging block of a dropped host copy), so nothing is freed early and nothing waits.
 
-use crate::driver::{host_alloc_flags, DevicePtr, Driver};
+use crate::driver::{
+    event_flags, host_alloc_flags, stream_flags, DevicePtr, Driver, Event, Stream,
+};
 use crate::error::{Error, Result};
 use crate::pinned::{self, Block, Home};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -40,6 +42,9 @@ pub(crate) struct Entry {
     /// Host address of the slot's flag (in a slab that lives as long as the hub).
     flag: usize,
     seq: u64,
+    /// Set by the entry's doorbell host function when it ran (the write, enqueued before it,
+    /// has landed then); `None` when the entry has no doorbell (see [`Hub::completion`]).
+    bell: Option<Arc<AtomicBool>>,
     state: Mutex<EntryState>,
 }
 
@@ -69,6 +74,14 @@ impl Entry {
         // frees its slabs only at the context's teardown, when no future holds the context and
         // every write has landed); the GPU writes it concurrently, so it is read atomically.
         unsafe { &*(self.flag as *const AtomicU64) }.load(Ordering::Acquire) >= self.seq
+    }
+
+    /// Whether the poller may stop reading this entry's flag and wait for its doorbell: it has
+    /// one that has not rung yet (it rings after the write has landed).
+    fn waits_for_bell(&self) -> bool {
+        self.bell
+            .as_ref()
+            .is_some_and(|b| !b.load(Ordering::Acquire))
     }
 
     /// A future's poll: ready once the write has landed, else `waker` is stored for the poller.
@@ -179,6 +192,9 @@ struct HubState {
     incoming: Vec<Arc<Entry>>,
     /// Whether the poller is parked (waiting for `incoming`).
     parked: bool,
+    /// Whether the poller is parked waiting for a doorbell (every pending entry has one that has
+    /// not rung), and the bell's count of rings when it parked.
+    bell_parked: Option<u64>,
     /// Whether the poller is running user code (wakers, and the drops of what entries kept):
     /// set under this lock only while `stop` is unset (see [`Hub::stop`]).
     running: bool,
@@ -207,6 +223,40 @@ pub(crate) struct Hub {
     /// Set once entries were given up for a fault: the hub's memory is then never freed nor
     /// shelved for reuse (nothing is known of the copies into it).
     faulted: AtomicBool,
+    /// The doorbell that entries' host functions ring.
+    bell: Arc<Bell>,
+    /// The doorbell stream and the events that order it after completions' writes.
+    bells: Mutex<Bells>,
+    /// Whether the poller is cold (no flag landed for [`HOT`]): new completions then get a
+    /// doorbell, so that the poller can park instead of reading their flags.
+    cold: AtomicBool,
+}
+
+/// The hub's doorbell stream (made on first use, never captured, synchronized and destroyed at
+/// the hub's shutdown) and its free events.
+#[derive(Default)]
+struct Bells {
+    stream: Option<Stream>,
+    events: Vec<Event>,
+}
+
+/// A doorbell: rung by the host function enqueued behind a completion's write (on the driver's
+/// host-function thread: it only stores and unparks, never blocks nor calls the driver, and
+/// what it holds drops nothing of a user's).
+struct Bell {
+    /// The poller's thread, once it has started.
+    poller: OnceLock<crate::sync::thread::Thread>,
+    rings: AtomicU64,
+}
+
+impl Bell {
+    fn ring(&self, rung: &AtomicBool) {
+        rung.store(true, Ordering::Release);
+        self.rings.fetch_add(1, Ordering::SeqCst);
+        if let Some(t) = self.poller.get() {
+            crate::sync::unpark(t);
+        }
+    }
 }
 
 /// The context's sticky error, if a call returned one (`false`: a read of what the device rules
@@ -219,6 +269,16 @@ pub(crate) type Health = Box<dyn Fn(bool) -> Option<Error> + Send + Sync>;
 /// context's health, and how often it asks after that: one `cuStreamQuery` (and its pair of
 /// capture-mode switches) per period, only while completions are pending and none lands.
 const PROBE_EVERY: Duration = Duration::from_millis(5);
+
+/// How long the poller reads the flags without pause after a flag landed or an entry arrived
+/// (spinning, then yielding), before it parks (every pending entry has a doorbell) or sleeps
+/// between sweeps. Completions made while no flag landed for this long get a doorbell.
+const HOT: Duration = Duration::from_micros(50);
+
+/// The longest sleep between two sweeps over entries without a doorbell: the poller sleeps an
+/// eighth of the time since the last landing, from 50 µs up to this (so a completion's latency
+/// grows by at most about an eighth of its own duration, and a long one costs ~1,000 sweeps/s).
+const MAX_SLEEP: Duration = Duration::from_millis(1);
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -237,6 +297,7 @@ impl Hub {
                 next_seq: Vec::new(),
                 incoming: Vec::new(),
                 parked: false,
+                bell_parked: None,
                 running: false,
                 staging: Vec::new(),
                 staging_all: Vec::new(),
@@ -248,6 +309,12 @@ impl Hub {
             passes: AtomicU64::new(0),
             health,
             faulted: AtomicBool::new(false),
+            bell: Arc::new(Bell {
+                poller: OnceLock::new(),
+                rings: AtomicU64::new(0),
+            }),
+            cold: AtomicBool::new(true),
+            bells: Mutex::new(Bells::default()),
         })
     }
 
@@ -255,23 +322,108 @@ impl Hub {
     /// sequence number to the slot's device address, and hands the entry to the poller. On a
     /// failed `write` the slot is free again (nothing was enqueued). The context must be current
     /// and relaxed (the slab's host allocation): the caller's device rules.
+    ///
+    /// While the poller is cold, `write` is also given an event, to record on its stream just
+    /// before the write (it returns whether it did): the hub's doorbell stream waits for it and
+    /// then runs a host function that rings the poller's doorbell, so that the poller can park
+    /// instead of reading the flag, and the caller's stream gets no host function (which would
+    /// hold its later work until the driver's host-function thread ran it). A doorbell the
+    /// driver refuses only means that the poller reads this entry's flag until it lands.
     pub(crate) fn completion(
         self: &Arc<Self>,
-        write: impl FnOnce(DevicePtr, u64) -> Result<()>,
+        write: impl FnOnce(DevicePtr, u64, Option<Event>) -> Result<bool>,
     ) -> Result<Arc<Entry>> {
         let (slot, flag, dev, seq) = self.take_slot()?;
-        if let Err(e) = write(dev, seq) {
-            self.give_back_slot(slot);
-            return Err(e);
-        }
+        let event = if self.cold.load(Ordering::Acquire) {
+            self.bell_event()
+        } else {
+            None
+        };
+        let recorded = match write(dev, seq, event) {
+            Ok(r) => r,
+            Err(e) => {
+                self.give_back_slot(slot);
+                if let Some(ev) = event {
+                    lock(&self.bells).events.push(ev);
+                }
+                return Err(e);
+            }
+        };
+        let bell = match event {
+            Some(ev) => {
+                let rung = Arc::new(AtomicBool::new(false));
+                let belled = recorded && self.ring_after(ev, &rung);
+                // Reusable at once: a wait orders after the record made before it, whatever
+                // is recorded into the event later.
+                lock(&self.bells).events.push(ev);
+                belled.then_some(rung)
+            }
+            None => None,
+        };
         let entry = Arc::new(Entry {
             slot,
             flag,
             seq,
+            bell,
             state: Mutex::new(EntryState::default()),
         });
         self.submit(entry.clone())?;
         Ok(entry)
+    }
+
+    /// The hub's own streams alive: the doorbell stream, once made.
+    pub(crate) fn streams(&self) -> u64 {
+        u64::from(lock(&self.bells).stream.is_some())
+    }
+
+    /// An event for a doorbell: one of the hub's, or a new one (`None` if the driver refuses).
+    fn bell_event(&self) -> Option<Event> {
+        if let Some(ev) = lock(&self.bells).events.pop() {
+            return Some(ev);
+        }
+        self.driver.event_create(event_flags::DISABLE_TIMING).ok()
+    }
+
+    /// Makes the doorbell stream wait for `event` (just recorded behind a completion's write),
+    /// then ring the doorbell, setting `rung`. Whether both were enqueued (the stream is made on
+    /// first use; a refusal leaves at most a wait on it, which orders nothing of anyone's).
+    fn ring_after(&self, event: Event, rung: &Arc<AtomicBool>) -> bool {
+        let stream = {
+            let mut b = lock(&self.bells);
+            match b.stream {
+                Some(s) => s,
+                None => {
+                    drop(b);
+                    let Ok(s) = self.driver.stream_create(stream_flags::NON_BLOCKING, 0) else {
+                        return false;
+                    };
+                    b = lock(&self.bells);
+                    match b.stream {
+                        // Another thread made one meanwhile: this one goes.
+                        Some(other) => {
+                            drop(b);
+                            // SAFETY: the stream was just made here, has no work, and no one
+                            // else knows it.
+                            crate::driver::tries(|| unsafe { self.driver.stream_destroy(s) });
+                            other
+                        }
+                        None => *b.stream.insert(s),
+                    }
+                }
+            }
+        };
+        // SAFETY: the doorbell stream lives until the hub's shutdown, which synchronizes it
+        // first; it is never captured (its handle never leaves the hub); the event is live (the
+        // hub's, destroyed at shutdown).
+        if unsafe { self.driver.stream_wait_event(stream, event) }.is_err() {
+            return false;
+        }
+        let (bell, r) = (self.bell.clone(), rung.clone());
+        let f = crate::hostfn::host_fn(move || bell.ring(&r));
+        // SAFETY: as above; the host function only stores and unparks (no driver call, no
+        // blocking), and what it holds (the doorbell, the entry's flag) drops nothing of a
+        // user's.
+        unsafe { self.driver.launch_host_func(stream, f) }.is_ok()
     }
 
     /// A free slot and its next sequence number; grows by a slab (the context must be current).
@@ -340,7 +492,13 @@ impl Hub {
         let mut st = lock(&self.state);
         st.incoming.push(e);
         let wake = st.parked;
+        let unpark = st.bell_parked.is_some();
         drop(st);
+        if unpark {
+            if let Some(t) = self.bell.poller.get() {
+                crate::sync::unpark(t);
+            }
+        }
         {
             let mut t = lock(&self.thread);
             if t.is_none() {
@@ -361,9 +519,12 @@ impl Hub {
     }
 
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
-    /// ones. Spins briefly after a landing, then yields for up to 1 ms, then sleeps 50 µs at a
-    /// time; parks while nothing is pending. Returns the entries still pending (or landed but not
-    /// finished) when stopped.
+    /// ones. After a landing or a new entry it reads them without pause for [`HOT`] (spinning,
+    /// then yielding); then it parks until a doorbell rings if the one pending entry has one
+    /// that has not rung, else it sleeps between sweeps (an eighth of the time since the last
+    /// landing, 50 µs to [`MAX_SLEEP`]); it parks while nothing is pending. A parked poller
+    /// wakes every [`PROBE_EVERY`] to ask after the context's health. Returns the entries still
+    /// pending (or landed but not finished) when stopped.
     ///
     /// User code (the wakers of landed entries, the drops of what they kept) runs only between
     /// two checks of `stop` under the state lock, with `running` set, and with no lock held;
@@ -371,8 +532,12 @@ impl Hub {
     fn poll_loop(&self) -> Vec<Arc<Entry>> {
         let _ = IN_POLLER.try_with(|p| p.set(true));
         crate::hostfn::mark_crate_thread();
+        let _ = self.bell.poller.set(crate::sync::thread::current());
         let mut mine: Vec<Arc<Entry>> = Vec::new();
+        // The last landing, and the last time the poller had reason to read without pause (a
+        // landing, a new entry, a doorbell).
         let mut last = Instant::now();
+        let mut hot_since = Instant::now();
         let mut last_probe = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -382,9 +547,15 @@ impl Hub {
                     if self.stop.load(Ordering::Acquire) {
                         return mine;
                     }
+                    self.cold.store(true, Ordering::Release);
                     st.parked = true;
                     st = self.cv.wait(st);
                     st.parked = false;
+                    hot_since = Instant::now();
+                    spins = 0;
+                }
+                if !st.incoming.is_empty() {
+                    hot_since = Instant::now();
                 }
                 mine.append(&mut st.incoming);
             }
@@ -401,6 +572,7 @@ impl Hub {
                 }
             });
             if !landed.is_empty() {
+                self.cold.store(false, Ordering::Release);
                 {
                     let mut st = lock(&self.state);
                     if self.stop.load(Ordering::Acquire) {
@@ -423,6 +595,7 @@ impl Hub {
                 }
                 drop(landed);
                 last = Instant::now();
+                hot_since = last;
                 spins = 0;
                 self.passes.fetch_add(1, Ordering::SeqCst);
                 continue;
@@ -456,12 +629,48 @@ impl Hub {
             if spins < 64 {
                 spins += 1;
                 std::hint::spin_loop();
-            } else if last.elapsed() < Duration::from_millis(1) {
+                continue;
+            }
+            if hot_since.elapsed() < HOT {
                 std::thread::yield_now();
+                continue;
+            }
+            self.cold.store(true, Ordering::Release);
+            // Parked only for a single pending entry: the doorbells ring in the order they
+            // were enqueued on the one doorbell stream, so a second entry's could wait behind
+            // the first's work while its own has completed. Every earlier doorbell belongs to
+            // an entry that has landed (its event completed), so nothing holds this one's.
+            if mine.len() == 1 && mine[0].waits_for_bell() {
+                if self.park_for_bell(&mine) {
+                    hot_since = Instant::now();
+                    spins = 0;
+                }
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                let nap = (last.elapsed() / 8).clamp(Duration::from_micros(50), MAX_SLEEP);
+                std::thread::sleep(nap);
             }
         }
+    }
+
+    /// Parks the poller until a doorbell rings, an entry arrives, the teardown stops it, or
+    /// [`PROBE_EVERY`] has passed (for the health probe). `mine` is one entry that waits for
+    /// its doorbell. Returns whether it was woken (not timed out).
+    fn park_for_bell(&self, mine: &[Arc<Entry>]) -> bool {
+        let rings = self.bell.rings.load(Ordering::SeqCst);
+        {
+            let mut st = lock(&self.state);
+            if !st.incoming.is_empty() || self.stop.load(Ordering::Acquire) {
+                return true;
+            }
+            st.bell_parked = Some(rings);
+        }
+        // A doorbell that rang between the caller's check and the count read above: its
+        // unpark left a token (the park returns at once), or its entry is seen rung here.
+        if mine.iter().all(|e| e.waits_for_bell()) {
+            crate::sync::park_timeout(PROBE_EVERY);
+        }
+        lock(&self.state).bell_parked = None;
+        self.bell.rings.load(Ordering::SeqCst) != rings
     }
 
     /// (passes, idle): the poller's passes over its pending entries so far (each reads every
@@ -473,7 +682,12 @@ impl Hub {
     pub(crate) fn poller_progress(&self) -> (u64, bool) {
         let started = lock(&self.thread).is_some();
         let st = lock(&self.state);
-        let idle = (st.parked || !started) && st.incoming.is_empty();
+        // Parked for a doorbell that has not rung: only a host function (which the model
+        // watches) or the health probe's period can wake it.
+        let for_bell = st
+            .bell_parked
+            .is_some_and(|r| r == self.bell.rings.load(Ordering::SeqCst));
+        let idle = (st.parked || !started || for_bell) && st.incoming.is_empty();
         (self.passes.load(Ordering::SeqCst), idle)
     }
 
@@ -552,9 +766,15 @@ impl Hub {
             // cannot be set after this.
             let st = lock(&self.state);
             self.stop.store(true, Ordering::Release);
-            st.running
+            (st.running, st.bell_parked.is_some())
         };
+        let (running, bell_parked) = running;
         self.cv.notify_all();
+        if bell_parked {
+            if let Some(t) = self.bell.poller.get() {
+                crate::sync::unpark(t);
+            }
+        }
         !running && !IN_POLLER.try_with(|p| p.get()).unwrap_or(true)
     }
 
@@ -580,6 +800,7 @@ impl Hub {
             None => Vec::new(),
         };
         pending.append(&mut lock(&self.state).incoming);
+        self.close_bells();
         let mut leak = false;
         for e in pending {
             if e.landed() {
@@ -617,6 +838,28 @@ impl Hub {
             crate::driver::tries(|| unsafe { pinned::free(&*self.driver, b) });
         }
         lock(&self.state).staging.clear();
+    }
+}
+
+impl Hub {
+    /// Synchronizes and destroys the doorbell stream, and destroys the events (at shutdown). A
+    /// stream whose synchronize fails (a dead context) is left as it is: its work may be
+    /// pending, and only idle streams are destroyed.
+    fn close_bells(&self) {
+        let bells = std::mem::take(&mut *lock(&self.bells));
+        if let Some(s) = bells.stream {
+            // SAFETY: the hub's own stream (see `ring_after`), used by no one else now: the
+            // poller has exited and no completion is being made (the context is torn down).
+            if crate::driver::tries(|| unsafe { self.driver.stream_synchronize(s) }) {
+                // SAFETY: as above, and idle.
+                crate::driver::tries(|| unsafe { self.driver.stream_destroy(s) });
+            }
+        }
+        for ev in bells.events {
+            // SAFETY: the hub's event; the waits on it were made, and their stream is idle or
+            // left alone above (destroying an event that a wait names is allowed).
+            crate::driver::tries(|| unsafe { self.driver.event_destroy(ev) });
+        }
     }
 }
 

@@ -1908,9 +1908,12 @@ impl Model {
             }
         }
         // live streams = owners' + idle + retired-busy + owned + kept (a dropped owned stream
-        // whose destroy failed counts among the pending) + disposal
+        // whose destroy failed counts among the pending) + disposal + the poller's doorbell
+        // stream once made (`Context::live_streams` counts both beside the pools')
         let live = self.sim.counters().live_streams;
-        let expected = st.live + self.owned.len() as u64 + 1 + self.foreign_streams() as u64;
+        let own = self.ctx().live_streams() - st.live;
+        assert!((1..=2).contains(&own), "the context's own streams: {own}");
+        let expected = st.live + self.owned.len() as u64 + own + self.foreign_streams() as u64;
         assert!(
             live >= expected && live <= expected + self.ctx().pending() as u64,
             "{live} streams live, expected {expected} (+ up to {} kept): {st:?}",
