@@ -11,9 +11,10 @@
 //! * the process's CPU time per second over that window (the poller's whole loop: its reads,
 //!   yields, sleeps and probes; the main thread sleeps);
 //! * the completion latency (the host releases the held stream -> the future's waker runs) for
-//!   completions released after 1 ms (no probe can have run: the probe starts after 5 ms
-//!   without a landing) and after 20 ms (about three probes ran while it was pending),
-//!   interleaved, medians and p99.
+//!   completions released at once (the poller is still reading flags after the completion
+//!   arrived), after 1 ms (the poller has gone quiet; no probe can have run: the probe starts
+//!   after 5 ms without a landing) and after 20 ms (about three probes ran while it was
+//!   pending), interleaved, medians and p99.
 //!
 //! ```sh
 //! cargo run --release --example fault_probe_cost -- [--reps 40]
@@ -132,11 +133,33 @@ fn main() -> Res<()> {
     let probes_per_s = (p1 - p0) as f64 / dt.as_secs_f64();
     let cpu_per_s = (c1 - c0).as_secs_f64() / dt.as_secs_f64();
 
-    // Latency: released after 1 ms (no probe yet) and after 20 ms (probes ran), interleaved.
-    let mut lat: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    let mut probes_during = [0u64; 2];
+    // Two completions pending for 2 s (on two streams): the process's CPU per second.
+    k += 1;
+    let other = ctx.owner();
+    let s2 = other.stream()?;
+    // SAFETY: as above (both streams held by their owners).
+    unsafe { d.stream_wait_value32(s.raw(), dev, k, WaitValue::Geq)? };
+    // SAFETY: as above.
+    unsafe { d.stream_wait_value32(s2.raw(), dev, k, WaitValue::Geq)? };
+    let both = (s.completed()?, s2.completed()?);
+    std::thread::sleep(Duration::from_millis(20));
+    let (c0, t0) = (cpu_time(), Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let cpu2_per_s = (cpu_time() - c0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    word.store(k, Ordering::SeqCst);
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    rt.block_on(both.0)?;
+    rt.block_on(both.1)?;
+    drop(s2);
+    drop(other);
+
+    // Latency: released at once, after 1 ms (no probe yet) and after 20 ms (probes ran),
+    // interleaved.
+    const HOLDS_US: [u64; 3] = [0, 1_000, 20_000];
+    let mut lat: [Vec<f64>; 3] = Default::default();
+    let mut probes_during = [0u64; 3];
     for _ in 0..reps {
-        for (i, hold) in [1u64, 20].into_iter().enumerate() {
+        for (i, hold) in HOLDS_US.into_iter().enumerate() {
             k += 1;
             // SAFETY: as above.
             unsafe { d.stream_wait_value32(s.raw(), dev, k, WaitValue::Geq)? };
@@ -146,7 +169,9 @@ fn main() -> Res<()> {
             let mut cx = std::task::Context::from_waker(&waker);
             assert!(c.as_mut().poll(&mut cx).is_pending());
             let p0 = hooked.hook.0.load(Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis(hold));
+            if hold > 0 {
+                std::thread::sleep(Duration::from_micros(hold));
+            }
             let released = Instant::now();
             word.store(k, Ordering::SeqCst);
             let r = loop {
@@ -167,8 +192,13 @@ fn main() -> Res<()> {
         probes_per_s * query_ns / 1e7,
         cpu_per_s * 100.0
     );
-    for (i, hold) in [1, 20].into_iter().enumerate() {
+    println!(
+        "  two completions pending 2 s: process CPU {:.2} % of a core",
+        cpu2_per_s * 100.0
+    );
+    for (i, hold) in HOLDS_US.into_iter().enumerate() {
         let (p50, p99) = (pct(&mut lat[i], 0.5), pct(&mut lat[i], 0.99));
+        let hold = hold as f64 / 1e3;
         println!(
             "  released after {hold:>2} ms: latency p50 {p50:.1} us, p99 {p99:.1} us, probes while pending {:.1} per completion",
             probes_during[i] as f64 / reps as f64

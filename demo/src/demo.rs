@@ -133,6 +133,9 @@ pub enum MemPoolArg {
     /// The device's default pool as configured (its release threshold untouched, 0 by default:
     /// freed memory goes back to the device at every synchronization).
     Default,
+    /// The device's default pool with its release threshold raised to keep all freed memory
+    /// (what CUDA's C++ samples do; a change of the device's pool for the whole process).
+    DefaultKept,
 }
 
 impl MemPoolArg {
@@ -140,15 +143,28 @@ impl MemPoolArg {
     pub fn options(self) -> cuda_stream_pool::ContextOptions {
         let choice = match self {
             MemPoolArg::Own => cuda_stream_pool::MemPoolChoice::default(),
-            MemPoolArg::Default => cuda_stream_pool::MemPoolChoice::DeviceDefault,
+            MemPoolArg::Default | MemPoolArg::DefaultKept => {
+                cuda_stream_pool::MemPoolChoice::DeviceDefault
+            }
         };
         cuda_stream_pool::ContextOptions::default().mem_pool(choice)
+    }
+
+    /// The primary context of device 0 with this choice (and, for `DefaultKept`, the default
+    /// pool's release threshold raised).
+    pub fn context(self, d: Arc<dyn cuda_stream_pool::driver::Driver>) -> DemoResult<Context> {
+        let ctx = Context::primary_with(d, 0, self.options())?;
+        if self == MemPoolArg::DefaultKept {
+            ctx.set_release_threshold(u64::MAX)?;
+        }
+        Ok(ctx)
     }
 
     fn name(self) -> &'static str {
         match self {
             MemPoolArg::Own => "own",
             MemPoolArg::Default => "default",
+            MemPoolArg::DefaultKept => "default-kept",
         }
     }
 }
@@ -581,7 +597,7 @@ fn new_sim_context(mem_pool: MemPoolArg) -> DemoResult<(Context, Arc<Kernels>)> 
     let d: Arc<dyn cuda_stream_pool::driver::Driver> =
         Arc::new(cuda_stream_pool::driver::SimDriver::realtime());
     d.init()?;
-    let ctx = Context::primary_with(d, 0, mem_pool.options())?;
+    let ctx = mem_pool.context(d)?;
     let k = Arc::new(Kernels::load(&ctx)?);
     short_task(&k, &ctx.owner().stream()?)?;
     Ok((ctx, k))

@@ -9,7 +9,6 @@
 //! ```
 
 use cuda_stream_pool::driver::{self, Choice, DeviceAttr};
-use cuda_stream_pool::Context;
 use demo::{note, out, DemoResult, Failure};
 use std::process::ExitCode;
 
@@ -99,7 +98,7 @@ fn run(
     drv.init()?;
     let dev = drv.device_get(0)?;
     let version = drv.driver_version()?;
-    let ctx = Context::primary_with(drv.clone(), 0, opts.mem_pool.options())?;
+    let ctx = opts.mem_pool.context(drv.clone())?;
     let range = ctx.priority_range();
     say(format!(
         "device: {} (compute {}.{}, {} SMs), CUDA driver {}.{}, stream priorities {} (least) ..= {} (greatest)",
