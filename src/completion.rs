@@ -15,12 +15,14 @@
 //! A quiet poller is woken by a doorbell instead (issue 22: a poller that costs no CPU while a
 //! completion is pending): a completion made while no flag landed for 50 µs also records an
 //! event before its write, and the context's doorbell stream (one per context, made on first
-//! need) waits for that event and runs a host function that unparks the poller. While a single
-//! completion is pending and its doorbell has not rung, the poller parks (waking every 5 ms for
-//! the context's health). The completion's own stream gets no host function, so its later work
-//! never waits for the driver's host-function thread. With two or more pending the poller
-//! reads their flags: the doorbells ring in the order they were enqueued, so one could wait
-//! behind another completion's work.
+//! need, or by `Context::reserve`) waits for that event and runs a host function that unparks
+//! the poller. While a single completion is pending, its doorbell has not rung and no other
+//! doorbell is being made, the poller parks, for at most 1 ms (a doorbell can wait behind
+//! someone else's host function: a context's host functions all run on one driver thread).
+//! The completion's own stream gets no host function, so its later work never waits for the
+//! driver's host-function thread. With two or more pending the poller reads their flags: the
+//! doorbells ring in the order they were enqueued, so one could wait behind another
+//! completion's work.
 //!
 //! Cancellation: a future holds its context, so the slots stay mapped while it lives; a dropped
 //! future leaves its entry with the poller, which frees the slot once the write has landed, and

@@ -942,7 +942,8 @@ impl Context {
     /// creating the ~31st live stream blocked until that wait was released, while streams the
     /// driver had created before (then destroyed) were reused at once. An acquisition that has
     /// to create can thus wait behind someone else's blocked stream; one that takes a reserved
-    /// stream does not.
+    /// stream does not. The context's doorbell stream (see [`crate::Completion`]) is made here
+    /// too, if it was not yet, so that a completion never creates a stream either.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context, Priority};
@@ -975,7 +976,10 @@ impl Context {
         let p = self.inner.range.resolve(priority)?;
         let pool = self.inner.pool(p, flags);
         let _scope = self.inner.scope();
-        pool.reserve(&*self.inner.driver, n)
+        let made = pool.reserve(&*self.inner.driver, n)?;
+        // The completion poller's doorbell stream too, so that a completion never creates one.
+        self.inner.hub().doorbell_stream()?;
+        Ok(made)
     }
 
     /// The raw handle of the disposal stream: a non-blocking stream, never captured, on which the

@@ -192,9 +192,13 @@ struct HubState {
     incoming: Vec<Arc<Entry>>,
     /// Whether the poller is parked (waiting for `incoming`).
     parked: bool,
-    /// Whether the poller is parked waiting for a doorbell (every pending entry has one that has
-    /// not rung), and the bell's count of rings when it parked.
+    /// Whether the poller is parked waiting for a doorbell (the one pending entry has one that
+    /// has not rung), and the bell's count of rings when it parked.
     bell_parked: Option<u64>,
+    /// Doorbells being enqueued whose entries are not submitted yet: the doorbell stream may
+    /// hold a wait for such an entry's work ahead of the pending entry's doorbell, so the
+    /// poller does not park for a doorbell while any is in the making.
+    making: u64,
     /// Whether the poller is running user code (wakers, and the drops of what entries kept):
     /// set under this lock only while `stop` is unset (see [`Hub::stop`]).
     running: bool,
@@ -298,6 +302,7 @@ impl Hub {
                 incoming: Vec::new(),
                 parked: false,
                 bell_parked: None,
+                making: 0,
                 running: false,
                 staging: Vec::new(),
                 staging_all: Vec::new(),
@@ -349,10 +354,14 @@ impl Hub {
                 return Err(e);
             }
         };
+        let making = event.is_some() && recorded;
+        if making {
+            self.begin_doorbell();
+        }
         let bell = match event {
             Some(ev) => {
                 let rung = Arc::new(AtomicBool::new(false));
-                let belled = recorded && self.ring_after(ev, &rung);
+                let belled = making && self.ring_after(ev, &rung);
                 // Reusable at once: a wait orders after the record made before it, whatever
                 // is recorded into the event later.
                 lock(&self.bells).events.push(ev);
@@ -367,8 +376,23 @@ impl Hub {
             bell,
             state: Mutex::new(EntryState::default()),
         });
-        self.submit(entry.clone())?;
+        self.submit(entry.clone(), making)?;
         Ok(entry)
+    }
+
+    /// Counts a doorbell in the making (see [`HubState::making`]); a poller parked for another
+    /// doorbell goes back to reading flags.
+    fn begin_doorbell(&self) {
+        let unpark = {
+            let mut st = lock(&self.state);
+            st.making += 1;
+            st.bell_parked.is_some()
+        };
+        if unpark {
+            if let Some(t) = self.bell.poller.get() {
+                crate::sync::unpark(t);
+            }
+        }
     }
 
     /// The hub's own streams alive: the doorbell stream, once made.
@@ -384,33 +408,37 @@ impl Hub {
         self.driver.event_create(event_flags::DISABLE_TIMING).ok()
     }
 
-    /// Makes the doorbell stream wait for `event` (just recorded behind a completion's write),
-    /// then ring the doorbell, setting `rung`. Whether both were enqueued (the stream is made on
-    /// first use; a refusal leaves at most a wait on it, which orders nothing of anyone's).
-    fn ring_after(&self, event: Event, rung: &Arc<AtomicBool>) -> bool {
-        let stream = {
-            let mut b = lock(&self.bells);
-            match b.stream {
-                Some(s) => s,
-                None => {
-                    drop(b);
-                    let Ok(s) = self.driver.stream_create(stream_flags::NON_BLOCKING, 0) else {
-                        return false;
-                    };
-                    b = lock(&self.bells);
-                    match b.stream {
-                        // Another thread made one meanwhile: this one goes.
-                        Some(other) => {
-                            drop(b);
-                            // SAFETY: the stream was just made here, has no work, and no one
-                            // else knows it.
-                            crate::driver::tries(|| unsafe { self.driver.stream_destroy(s) });
-                            other
-                        }
-                        None => *b.stream.insert(s),
-                    }
-                }
+    /// The doorbell stream: made on first use (by [`crate::Context::reserve`], so that a
+    /// completion on a reserved stream never creates one: creating a stream can block behind
+    /// another stream's GPU-side wait on the H200, or by the first completion that needs it).
+    ///
+    /// # Errors
+    /// The driver's error from the stream's creation.
+    pub(crate) fn doorbell_stream(&self) -> Result<Stream> {
+        if let Some(s) = lock(&self.bells).stream {
+            return Ok(s);
+        }
+        let s = self.driver.stream_create(stream_flags::NON_BLOCKING, 0)?;
+        let mut b = lock(&self.bells);
+        match b.stream {
+            // Another thread made one meanwhile: this one goes.
+            Some(other) => {
+                drop(b);
+                // SAFETY: the stream was just made here, has no work, and no one else knows it.
+                crate::driver::tries(|| unsafe { self.driver.stream_destroy(s) });
+                Ok(other)
             }
+            None => Ok(*b.stream.insert(s)),
+        }
+    }
+
+    /// Makes the doorbell stream wait for `event` (just recorded behind a completion's write),
+    /// then ring the doorbell, setting `rung`. Whether both were enqueued (a refusal leaves at
+    /// most a wait on the doorbell stream, which orders nothing of anyone's). Counted as a
+    /// doorbell in the making until the entry is submitted (see [`HubState::making`]).
+    fn ring_after(&self, event: Event, rung: &Arc<AtomicBool>) -> bool {
+        let Ok(stream) = self.doorbell_stream() else {
+            return false;
         };
         // SAFETY: the doorbell stream lives until the hub's shutdown, which synchronizes it
         // first; it is never captured (its handle never leaves the hub); the event is live (the
@@ -487,10 +515,14 @@ impl Hub {
         lock(&self.state).free.push(slot);
     }
 
-    /// Hands an entry to the poller (starting it on first use).
-    fn submit(self: &Arc<Self>, e: Arc<Entry>) -> Result<()> {
+    /// Hands an entry to the poller (starting it on first use); `made` ends the count of its
+    /// doorbell in the making.
+    fn submit(self: &Arc<Self>, e: Arc<Entry>, made: bool) -> Result<()> {
         let mut st = lock(&self.state);
         st.incoming.push(e);
+        if made {
+            st.making -= 1;
+        }
         let wake = st.parked;
         let unpark = st.bell_parked.is_some();
         drop(st);
@@ -652,14 +684,15 @@ impl Hub {
         }
     }
 
-    /// Parks the poller until a doorbell rings, an entry arrives, the teardown stops it, or
-    /// [`PROBE_EVERY`] has passed (for the health probe). `mine` is one entry that waits for
-    /// its doorbell. Returns whether it was woken (not timed out).
+    /// Parks the poller until a doorbell rings, an entry arrives, another doorbell is being
+    /// made, the teardown stops it, or [`MAX_SLEEP`] has passed (a doorbell may wait behind
+    /// another host function; the health probe). `mine` is one entry that waits for its
+    /// doorbell. Returns whether it was woken (not timed out).
     fn park_for_bell(&self, mine: &[Arc<Entry>]) -> bool {
         let rings = self.bell.rings.load(Ordering::SeqCst);
         {
             let mut st = lock(&self.state);
-            if !st.incoming.is_empty() || self.stop.load(Ordering::Acquire) {
+            if !st.incoming.is_empty() || st.making > 0 || self.stop.load(Ordering::Acquire) {
                 return true;
             }
             st.bell_parked = Some(rings);
@@ -667,7 +700,10 @@ impl Hub {
         // A doorbell that rang between the caller's check and the count read above: its
         // unpark left a token (the park returns at once), or its entry is seen rung here.
         if mine.iter().all(|e| e.waits_for_bell()) {
-            crate::sync::park_timeout(PROBE_EVERY);
+            // At most as long as the longest sleep between sweeps: all host functions of a
+            // context run on one driver thread, so a doorbell can wait behind someone else's
+            // long host function, and the flag is read then all the same.
+            crate::sync::park_timeout(MAX_SLEEP);
         }
         lock(&self.state).bell_parked = None;
         self.bell.rings.load(Ordering::SeqCst) != rings

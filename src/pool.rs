@@ -600,9 +600,17 @@ pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Resu
     if st.destroyed {
         return Ok(false);
     }
-    if wait && !st.capturing {
+    if wait && !st.capturing && !slot.known_idle() {
         // SAFETY: the stream is live (not destroyed, under the lock).
         unsafe { driver.stream_synchronize(slot.raw) }?;
+        // A failed query is an error here, for the caller to retry (as `is_idle` it would count
+        // as busy, and the stream would be left alive for good: a leak at teardown).
+        let n = slot.enqueued();
+        // SAFETY: as above.
+        if !unsafe { driver.stream_query(slot.raw) }? {
+            return Ok(false);
+        }
+        slot.quiet.fetch_max(n + 1, Ordering::SeqCst);
     }
     if !is_idle(driver, slot, &st) {
         return Ok(false);

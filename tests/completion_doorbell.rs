@@ -17,6 +17,11 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "common/futures.rs"]
 mod futures_util;
+#[path = "common/pausing.rs"]
+mod pausing;
+use common::stall::{with_watchdog, HostWord, Trigger};
+use cuda_stream_pool::driver::{Driver, SimConfig, H200_CREATE_STALL_AT};
+use cuda_stream_pool::Priority;
 use futures_util::{poll, waker, Counting};
 
 /// A hang guard only: no verdict depends on it.
@@ -225,6 +230,253 @@ fn the_poller_does_not_park_on_a_doorbell_held_behind_another() {
         woken(&cl, 1);
         assert!(matches!(
             poll(long.as_mut(), &wl),
+            std::task::Poll::Ready(Ok(()))
+        ));
+    }
+    drop(ctx);
+    clean(&sim);
+}
+
+/// Until the poller reports idle, for at most 20 ms (a poller that never parks while a
+/// completion is pending, as before b2435c5, is given that long to go cold).
+fn settle(ctx: &Context) {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(20) {
+        if let Some((_, true)) = ctx.model_poller_progress() {
+            return;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Until the waker has been called: fails if the poller reports itself idle while the
+/// completion is due (its flag landed) and its waker has not been called, and `stuck` says that
+/// nothing but the health probe's timeout will wake it (given how long that has lasted).
+fn woken_without_idle_while_due(
+    ctx: &Context,
+    due: impl Fn() -> bool,
+    c: &Counting,
+    stuck: impl Fn(Duration) -> bool,
+) {
+    let t = Instant::now();
+    let mut idle_since: Option<Instant> = None;
+    while c.0.load(Ordering::SeqCst) == 0 {
+        let (_, idle) = ctx.model_poller_progress().unwrap();
+        if idle && due() && c.0.load(Ordering::SeqCst) == 0 {
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            // REVIEW_MEASURE=1: report the latency instead of failing.
+            if stuck(since.elapsed()) && std::env::var_os("REVIEW_MEASURE").is_none() {
+                panic!(
+                    "the poller is parked (idle) while a due completion is unwoken \
+                     ({:?} after the flag landed, idle for {:?})",
+                    t.elapsed(),
+                    since.elapsed()
+                );
+            }
+        } else {
+            idle_since = None;
+        }
+        assert!(t.elapsed() < HANG, "a hang: the future was never woken");
+        std::thread::yield_now();
+    }
+    eprintln!("woken {:?} after the flag landed", t.elapsed());
+}
+
+/// `Context::reserve` promises that an owner's acquisition never creates a stream (so never
+/// blocks in `cuStreamCreate` behind another stream's GPU-side wait, the H200's stall). A
+/// completion made on such a reserved stream must not create one either. Regression (review of
+/// b2435c5, D1): the first completion made while the poller was cold created the doorbell
+/// stream there, and blocked until the wait was released; `reserve` now makes it.
+#[test]
+fn a_completion_on_a_reserved_stream_never_blocks_in_stream_create() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        create_stall_at: Some(H200_CREATE_STALL_AT),
+        ..SimConfig::default()
+    }));
+    let d: Arc<dyn Driver> = sim.clone();
+    let ctx = Context::primary(d.clone(), 0).unwrap();
+    // The waiting owner's stream, the completing owner's, and enough to reach the stall's count.
+    let n = H200_CREATE_STALL_AT as usize + 2;
+    assert_eq!(ctx.reserve(Priority::Normal, n).unwrap(), n);
+    // The raw driver allocates in the current context: the crate leaves none current.
+    ctx.bind().unwrap();
+    let word = HostWord::new(&d);
+    let holder = ctx.owner();
+    let s = holder.stream().unwrap();
+    // SAFETY: the holder's stream is live and not capturing while `s` lives; the watchdog sets
+    // the word before the stream is synchronized below, and the word outlives that.
+    unsafe { word.hold(s.raw(), 1) };
+    let c = ctx.clone();
+    let late = with_watchdog(&word, 1, &Trigger::Sim(sim.clone()), move |released| {
+        let o = c.owner();
+        let st = o.stream().unwrap();
+        let done = st.completed().unwrap();
+        let late = released.load(Ordering::Acquire);
+        drop(done);
+        late
+    });
+    s.synchronize().unwrap();
+    drop(s);
+    drop(holder);
+    drop(word);
+    let stalled = sim.counters().stalled_creates;
+    assert!(
+        !late && stalled == 0,
+        "the completion returned only after the GPU-side wait was released \
+         ({stalled} stream creation(s) blocked): it created a stream"
+    );
+}
+
+/// The poller parks for a single pending completion's doorbell only if every earlier doorbell
+/// belongs to an entry that has landed. Regression (review of b2435c5, D2): a completion being
+/// made by another thread had its wait for its event on the doorbell stream already (ahead of
+/// the next completion's doorbell) while its entry was not yet with the poller; the next
+/// completion landed, its doorbell waited behind the other's event (long work), and the poller
+/// sat parked, reported idle, with a due completion unwoken. Doorbells in the making are now
+/// counted, and the poller does not park while any is.
+#[test]
+fn a_due_completion_is_not_left_parked_behind_another_threads_doorbell_in_the_making() {
+    let (pd, sim, ctx) = pausing::pausing();
+    {
+        let (a, b) = (ctx.owner(), ctx.owner());
+        // Warm the hub: its slab and its doorbell stream exist (so thread B's completion
+        // makes no host allocation nor stream creation), and the poller is cold again.
+        {
+            let sa = a.stream().unwrap();
+            let first = sa.completed().unwrap();
+            sim.advance(0);
+            let t = Instant::now();
+            while !first.is_complete() {
+                assert!(t.elapsed() < HANG);
+            }
+        }
+        assert!(parks(&ctx), "the poller never parked with nothing pending");
+        // The warm-up's doorbell has rung and returned (no host function runs or is queued).
+        let t = Instant::now();
+        loop {
+            let (started, returned) = sim.host_fn_progress();
+            if started >= 1 && started == returned {
+                break;
+            }
+            assert!(t.elapsed() < HANG);
+            std::thread::yield_now();
+        }
+        std::thread::scope(|sc| {
+            let (pd2, sim2) = (pd.clone(), sim.clone());
+            // B's long work; B's completion is made on a thread paused right before its
+            // doorbell's host function is launched (its wait is on the doorbell stream already).
+            let tb = sc.spawn(move || {
+                let sb = b.stream().unwrap();
+                sim2.enqueue_work(sb.raw(), 1_000_000_000).unwrap();
+                pd2.hook.arm_here("cuLaunchHostFunc", 1);
+                let long = sb.completed().unwrap();
+                drop(sb);
+                (long, b)
+            });
+            assert!(pd.hook.wait_paused(Duration::from_secs(10)));
+            // A's short completion, made now: its doorbell queues behind B's wait.
+            let sa = a.stream().unwrap();
+            sim.enqueue_work(sa.raw(), 1_000).unwrap();
+            let mut done = Box::pin(sa.completed().unwrap());
+            let (count, w) = waker();
+            assert!(poll(done.as_mut(), &w).is_pending());
+            // The poller has gone cold (it must not park for A's doorbell now).
+            settle(&ctx);
+            sim.advance(1_000);
+            // One more step of the simulation: every host function due by now is handed to
+            // the host-function thread (counted as started).
+            sim.advance(0);
+            let probe = done.as_ref().get_ref();
+            // Stuck if the poller is idle now: no host function is running or queued (all that
+            // started have returned), so A's doorbell has not been handed to the host-function
+            // thread: it waits on the doorbell stream behind B's wait.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                woken_without_idle_while_due(
+                    &ctx,
+                    || probe.is_complete(),
+                    &count,
+                    |_| {
+                        let (started, returned) = sim.host_fn_progress();
+                        started == returned
+                    },
+                )
+            }));
+            pd.hook.release();
+            let (long, b) = tb.join().unwrap();
+            drop(long);
+            drop(b);
+            if let Err(p) = r {
+                std::panic::resume_unwind(p);
+            }
+        });
+    }
+}
+
+/// The criterion of the test above does not fire for a lone doorbell with a free
+/// host-function thread: it is woken by its doorbell (the test above is not vacuous).
+#[test]
+fn a_lone_doorbell_rings_as_soon_as_its_work_completes() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    for _ in 0..20 {
+        let a = ctx.owner();
+        let sa = a.stream().unwrap();
+        sim.enqueue_work(sa.raw(), 1_000).unwrap();
+        let mut done = Box::pin(sa.completed().unwrap());
+        let (count, w) = waker();
+        assert!(poll(done.as_mut(), &w).is_pending());
+        settle(&ctx);
+        sim.advance(1_000);
+        // One more step: A's doorbell, due now, is handed to the host-function thread.
+        sim.advance(0);
+        let probe = done.as_ref().get_ref();
+        woken_without_idle_while_due(
+            &ctx,
+            || probe.is_complete(),
+            &count,
+            |_| {
+                let (started, returned) = sim.host_fn_progress();
+                started == returned
+            },
+        );
+    }
+}
+
+/// All host functions of a context run on one driver thread, so a doorbell can wait behind a
+/// user's long host function (review of b2435c5, D3): the poller parks for a doorbell for at
+/// most 1 ms at a time and reads the flag then, so a due completion is woken while the other
+/// host function still runs.
+#[test]
+fn a_due_completion_is_woken_while_another_host_function_holds_the_doorbell() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    {
+        let (a, b) = (ctx.owner(), ctx.owner());
+        let (sa, sb) = (a.stream().unwrap(), b.stream().unwrap());
+        // B's stream: a host function that runs until the test lets it return.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        sb.launch_host_func(move || {
+            let _ = started_tx.send(());
+            let _ = rx.recv();
+        })
+        .unwrap();
+        sim.advance(0);
+        started_rx.recv_timeout(HANG).unwrap();
+        // A's completion, made while the poller is cold: it gets a doorbell, which cannot ring
+        // while B's host function runs.
+        sim.enqueue_work(sa.raw(), 1_000).unwrap();
+        let mut done = Box::pin(sa.completed().unwrap());
+        let (count, w) = waker();
+        assert!(poll(done.as_mut(), &w).is_pending());
+        assert!(parks(&ctx));
+        sim.advance(1_000);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| woken(&count, 1)));
+        let _ = tx.send(());
+        sb.synchronize().unwrap();
+        r.unwrap();
+        assert!(matches!(
+            poll(done.as_mut(), &w),
             std::task::Poll::Ready(Ok(()))
         ));
     }

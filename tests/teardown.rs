@@ -283,3 +283,30 @@ fn a_thread_exiting_with_the_last_context_in_its_implicit_owner_does_not_abort()
         out.status
     );
 }
+
+/// Regression (found by the review of the completion doorbell's fault sweep; older than the
+/// doorbell): the teardown's drain synchronized a retired stream, then queried it; a query that
+/// failed once was read as "busy", `destroy_idle` returned `Ok(false)`, which was not tried
+/// again, and the idle stream was leaked. A failed query there is now an error, tried again.
+#[test]
+fn a_teardown_query_failing_once_leaks_no_stream() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        sim.enqueue_work(s.raw(), 1_000).unwrap();
+    }
+    sim.fail_calls(
+        "cuStreamQuery",
+        cuda_stream_pool::ErrorCode::ERROR_UNKNOWN,
+        1,
+    );
+    drop(ctx);
+    while cuda_stream_pool::release_pinned_cache(&*sim).is_ok() && sim.counters().live_contexts > 0
+    {
+    }
+    assert_eq!(sim.injected_failures(), ["cuStreamQuery"]);
+    let c = sim.counters();
+    assert_eq!(c.live_streams, 0, "{c:?}");
+}
