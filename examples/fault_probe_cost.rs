@@ -17,9 +17,11 @@
 //!   pending), interleaved, medians and p99.
 //!
 //! ```sh
-//! cargo run --release --example fault_probe_cost -- [--reps 40]
+//! cargo run --release --example fault_probe_cost -- [--reps 40] [--driver sim]
 //! ```
-//! Needs an NVIDIA GPU: on the simulated driver it returns an error.
+//! Needs an NVIDIA GPU, or `--driver sim`: the simulated driver on a real-time clock, for the
+//! host side alone (the poller's CPU; its latencies are the simulation's, which moves on only
+//! when the driver is called: not the GPU's).
 
 use cuda_stream_pool::driver::{self, host_alloc_flags, Choice, Driver, Hook, Hooked, WaitValue};
 use cuda_stream_pool::Context;
@@ -80,8 +82,15 @@ fn main() -> Res<()> {
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or(40);
-    let (real, _) = driver::load(Choice::Cuda)
-        .map_err(|e| format!("fault_probe_cost needs an NVIDIA GPU: {e}"))?;
+    let sim = std::env::args().any(|a| a == "sim");
+    let real: Arc<dyn Driver> = if sim {
+        Arc::new(driver::SimDriver::realtime())
+    } else {
+        driver::load(Choice::Cuda)
+            .map_err(|e| format!("fault_probe_cost needs an NVIDIA GPU (or --driver sim): {e}"))?
+            .0
+    };
+    real.init()?;
     let hooked = Arc::new(Hooked {
         inner: real,
         hook: CountProbes::default(),
@@ -185,7 +194,14 @@ fn main() -> Res<()> {
             assert!(c.as_mut().poll(&mut cx).is_ready());
         }
     }
-    println!("fault probe cost (H200 when run there), {reps} interleaved repeats");
+    println!(
+        "fault probe cost ({}), {reps} interleaved repeats",
+        if sim {
+            "simulated driver, real-time clock"
+        } else {
+            "CUDA driver"
+        }
+    );
     println!("  one relaxed cuStreamQuery (a probe's shape): {query_ns:.0} ns");
     println!(
         "  one completion pending 2 s: {probes_per_s:.0} probes/s = {:.4} % of a core; process CPU {:.2} % of a core",
