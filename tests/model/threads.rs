@@ -114,8 +114,24 @@ fn follow_pin(cpu: i32) {
     if let Some(set) = set {
         if set_affinity(&set) {
             PINNED.with(|p| p.set(cpu));
+            batch(cpu >= 0);
         }
     }
+}
+
+/// A pinned model thread is `SCHED_BATCH` (see [`pin_to_current_cpu`]): on the one CPU, the
+/// worker that a hand-over wakes does not preempt the worker that woke it, which parks at once
+/// (one thread switch per hand-over, not two or three). An unpinned one is `SCHED_OTHER` again.
+fn batch(on: bool) {
+    let policy = if on {
+        libc::SCHED_BATCH
+    } else {
+        libc::SCHED_OTHER
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: the calling thread (0), a valid policy and parameter; a failure leaves the
+    // thread as it was (only its speed differs).
+    unsafe { libc::sched_setscheduler(0, policy, &param) };
 }
 
 /// Keeps the calling thread, and the model threads and crate threads started or given a job
@@ -142,6 +158,7 @@ pub fn pin_to_current_cpu() -> Option<Unpin> {
         return None;
     }
     PIN.store(cpu, Ordering::Relaxed);
+    batch(true);
     Some(Unpin(all))
 }
 
@@ -152,5 +169,6 @@ impl Drop for Unpin {
     fn drop(&mut self) {
         PIN.store(-1, Ordering::Relaxed);
         set_affinity(&self.0);
+        batch(false);
     }
 }
