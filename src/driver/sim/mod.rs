@@ -258,6 +258,8 @@ pub struct SimDriver {
     /// Driver calls made from host functions (recorded without the state lock, which a graph's
     /// host node runs under).
     host_calls: Mutex<Vec<String>>,
+    /// GPU time of a copy under the manual clock ([`SimDriver::set_copy_time`]).
+    copy_ns: AtomicU64,
 }
 
 impl Drop for SimDriver {
@@ -390,6 +392,7 @@ impl SimDriver {
             cv: Arc::new(Condvar::new()),
             host_jobs: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
             host_calls: Mutex::new(Vec::new()),
+            copy_ns: AtomicU64::new(0),
         }
     }
 
@@ -1234,7 +1237,7 @@ unsafe impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         self.copy_context(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         Self::check_range(&mut st, dst.0, bytes, "cuMemcpyHtoDAsync_v2")?;
-        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        let dur = self.copy_time();
         // Page-locked memory of `cuMemHostAlloc` is read when the copy runs (as the GPU's DMA
         // does); any other source is copied at once, as the driver stages pageable memory.
         let effect = match st.host_mem.dev_addr(src as usize, bytes) {
@@ -1270,7 +1273,7 @@ unsafe impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
         self.copy_context(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
         Self::check_range(&mut st, src.0, bytes, "cuMemcpyDtoHAsync_v2")?;
-        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        let dur = self.copy_time();
         self.enqueue(
             &mut st,
             stream,
