@@ -849,6 +849,10 @@ impl Model {
             ..SimConfig::default()
         }));
         sim.set_logging(true);
+        // Copies take GPU time (the H200's figure of the latency model): a completion enqueued
+        // just before a copy then lands before the copy's data does, not in the same step of the
+        // simulation, so a completion enqueued too early is seen (plant (h), docs/testing.md).
+        sim.set_copy_time(cuda_stream_pool::driver::sim::Latency::default().copy_gpu);
         // The model's threads run with another context current (made current without a driver
         // call, so that the calls of the input's operations are those they always were).
         sim.init().expect("init");

@@ -114,9 +114,43 @@ fn follow_pin(cpu: i32) {
     if let Some(set) = set {
         if set_affinity(&set) {
             PINNED.with(|p| p.set(cpu));
+            batch(cpu >= 0);
         }
     }
 }
+
+/// A pinned model thread is `SCHED_BATCH` (see [`pin_to_current_cpu`]): on the one CPU, the
+/// worker that a hand-over wakes does not preempt the worker that woke it, which parks at once
+/// (one thread switch per hand-over, not two or three); and its timer slack is [`SLACK_NS`]. An
+/// unpinned one is `SCHED_OTHER` again, with the kernel's default slack. The threads a pinned thread
+/// starts inherit both. Only the OS's timing changes, as on a loaded machine: no verdict depends
+/// on it.
+fn batch(on: bool) {
+    let policy = if on {
+        libc::SCHED_BATCH
+    } else {
+        libc::SCHED_OTHER
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: the calling thread (0), a valid policy and parameter; a failure leaves the
+    // thread as it was (only its speed differs).
+    unsafe { libc::sched_setscheduler(0, policy, &param) };
+    let slack: libc::c_ulong = if on { SLACK_NS } else { DEFAULT_SLACK_NS };
+    // SAFETY: a plain call for the calling thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, slack, 0, 0, 0) };
+}
+
+/// The timer slack of a pinned thread (`PR_SET_TIMERSLACK`; the kernel's default is 50 µs),
+/// which the threads it starts inherit: the completion poller, started by the model's thread or
+/// a worker, sleeps 50 µs at a time while a completion is pending (in the model, until the clock
+/// moves), and with this slack it wakes up to 1 ms after the 50 µs instead of up to 50 µs after
+/// (all thread switches over the corpus's initial pass: about 15 % fewer). Nothing waits for the
+/// poller by time: `Model::await_quiet` counts its passes.
+const SLACK_NS: libc::c_ulong = 1_000_000;
+
+/// The kernel's default timer slack, which an unpinned thread gets back (0 would restore the
+/// slack the thread was started with, which is [`SLACK_NS`] for one started while pinned).
+const DEFAULT_SLACK_NS: libc::c_ulong = 50_000;
 
 /// Keeps the calling thread, and the model threads and crate threads started or given a job
 /// while the returned value lives, on the CPU the calling thread runs on now (see the module's
@@ -142,6 +176,7 @@ pub fn pin_to_current_cpu() -> Option<Unpin> {
         return None;
     }
     PIN.store(cpu, Ordering::Relaxed);
+    batch(true);
     Some(Unpin(all))
 }
 
@@ -152,5 +187,6 @@ impl Drop for Unpin {
     fn drop(&mut self) {
         PIN.store(-1, Ordering::Relaxed);
         set_affinity(&self.0);
+        batch(false);
     }
 }

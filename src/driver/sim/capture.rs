@@ -53,9 +53,9 @@ impl Capture {
             origin,
             ops: Vec::new(),
             invalidated: false,
-            tips: HashMap::new(),
+            tips: HashMap::default(),
             forked: Default::default(),
-            joined: HashMap::new(),
+            joined: HashMap::default(),
         }
     }
 
@@ -75,7 +75,7 @@ pub(super) struct ThreadState {
 
 thread_local! {
     pub(super) static THREAD: std::cell::RefCell<HashMap<u64, ThreadState>> =
-        std::cell::RefCell::new(HashMap::new());
+        std::cell::RefCell::new(HashMap::default());
 }
 
 impl SimDriver {

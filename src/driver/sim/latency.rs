@@ -89,6 +89,37 @@ impl SimDriver {
         self.cfg.latency.as_ref()
     }
 
+    /// Gives every later host-to-device and device-to-host copy `ns` of GPU time under the
+    /// manual clock (without a latency model: [`SimConfig::latency`] `None`); 0, the default,
+    /// completes a copy as soon as it starts. With the real-time clock, [`Latency::copy_gpu`]
+    /// decides. (A test that must tell a copy's end from the work enqueued just before it sets
+    /// this: with 0 ns both complete in the same step of the simulation.)
+    ///
+    /// ```
+    /// # use cuda_stream_pool::driver::{self, Driver, SimDriver};
+    /// # use cuda_stream_pool::{Context, DeviceBuffer};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// sim.set_copy_time(1_000);
+    /// let drv: Arc<dyn Driver> = sim.clone();
+    /// let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    /// let t = sim.now();
+    /// assert_eq!(b.to_vec(&s).unwrap(), vec![0; 4]);
+    /// assert!(sim.now() >= t + 1_000);
+    /// ```
+    pub fn set_copy_time(&self, ns: u64) {
+        self.copy_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// The GPU time of a copy: the latency model's, else [`SimDriver::set_copy_time`]'s.
+    pub(super) fn copy_time(&self) -> u64 {
+        self.lat()
+            .map_or_else(|| self.copy_ns.load(Ordering::Relaxed), |l| l.copy_gpu)
+    }
+
     pub(super) fn cost(&self, pick: impl FnOnce(&Latency) -> u64) {
         if let Some(l) = self.lat() {
             spin(pick(l));

@@ -32,13 +32,38 @@
 
 use super::*;
 use crate::error::{Error, ErrorCode};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ffi::CStr;
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
+
+/// The simulation's maps, keyed by its handles (small integers given out in order): hashed by
+/// one multiplication instead of SipHash (the maps are read at every driver call; nothing here
+/// needs protection from chosen keys), and iterated in the same order in every process.
+type HashMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// See [`HashMap`]: FxHash's step (a rotation, an xor and a multiplication per word).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
 
 mod capture;
 mod events;
@@ -233,6 +258,8 @@ pub struct SimDriver {
     /// Driver calls made from host functions (recorded without the state lock, which a graph's
     /// host node runs under).
     host_calls: Mutex<Vec<String>>,
+    /// GPU time of a copy under the manual clock ([`SimDriver::set_copy_time`]).
+    copy_ns: AtomicU64,
 }
 
 impl Drop for SimDriver {
@@ -318,7 +345,7 @@ impl SimDriver {
         } else {
             Clock::Manual(AtomicU64::new(0))
         };
-        let mut streams = HashMap::new();
+        let mut streams = HashMap::default();
         streams.insert(0, SimStream::new(0, 0, 0));
         SimDriver {
             id: NEXT_SIM.fetch_add(1, Ordering::Relaxed),
@@ -327,16 +354,16 @@ impl SimDriver {
             state: Mutex::new(State {
                 next_id: 0x1000,
                 next_ptr: 0x7f00_0000_0000,
-                contexts: HashMap::new(),
-                primary: HashMap::new(),
+                contexts: HashMap::default(),
+                primary: HashMap::default(),
                 streams,
-                events: HashMap::new(),
-                retired_events: HashMap::new(),
+                events: HashMap::default(),
+                retired_events: HashMap::default(),
                 allocs: BTreeMap::new(),
-                graphs: HashMap::new(),
-                execs: HashMap::new(),
-                modules: HashMap::new(),
-                functions: HashMap::new(),
+                graphs: HashMap::default(),
+                execs: HashMap::default(),
+                modules: HashMap::default(),
+                functions: HashMap::default(),
                 pools: [(1, 0)].into_iter().collect(),
                 next_pool: 2,
                 log: Some(faults::CallLog::new(DEFAULT_CALL_LOG)),
@@ -349,7 +376,7 @@ impl SimDriver {
                 injected: Vec::new(),
                 counters: SimCounters::default(),
                 capture_seq: 0,
-                captures: HashMap::new(),
+                captures: HashMap::default(),
                 host_vc: Vc::default(),
                 host_version: 0,
                 freed: BTreeMap::new(),
@@ -360,11 +387,12 @@ impl SimDriver {
                 next_due: u64::MAX,
                 host_mem: HostMem::default(),
                 blocked_creates: 0,
-                dead: HashMap::new(),
+                dead: HashMap::default(),
             }),
             cv: Arc::new(Condvar::new()),
             host_jobs: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
             host_calls: Mutex::new(Vec::new()),
+            copy_ns: AtomicU64::new(0),
         }
     }
 
@@ -1209,7 +1237,7 @@ unsafe impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         self.copy_context(&mut st, stream, "cuMemcpyHtoDAsync_v2")?;
         Self::check_range(&mut st, dst.0, bytes, "cuMemcpyHtoDAsync_v2")?;
-        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        let dur = self.copy_time();
         // Page-locked memory of `cuMemHostAlloc` is read when the copy runs (as the GPU's DMA
         // does); any other source is copied at once, as the driver stages pageable memory.
         let effect = match st.host_mem.dev_addr(src as usize, bytes) {
@@ -1245,7 +1273,7 @@ unsafe impl Driver for SimDriver {
         Self::check_stream(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
         self.copy_context(&mut st, stream, "cuMemcpyDtoHAsync_v2")?;
         Self::check_range(&mut st, src.0, bytes, "cuMemcpyDtoHAsync_v2")?;
-        let dur = self.lat().map_or(0, |l| l.copy_gpu);
+        let dur = self.copy_time();
         self.enqueue(
             &mut st,
             stream,
