@@ -542,8 +542,13 @@ fn home_index() -> usize {
 
 #[cfg(not(loom))]
 fn shard_count() -> usize {
-    let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
-    (cpus * 2).clamp(4, 64).next_power_of_two()
+    // Asked once per process: `available_parallelism` reads the cgroup's quota from files (1.9 %
+    // of the fuzzer's time, which makes a pool per input).
+    static SHARDS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SHARDS.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(8, |n| n.get());
+        (cpus * 2).clamp(4, 64).next_power_of_two()
+    })
 }
 
 /// Two shards under loom: a search still steals from a shard other than the home one, with
