@@ -60,26 +60,6 @@ fn setup() -> (Arc<SimDriver>, Context) {
     (sim, ctx)
 }
 
-/// After the context is gone: nothing leaked, no finding, no misuse. A last `Context` dropped
-/// while the completion poller runs a waker is torn down on a thread of its own (the waker may
-/// wait for the dropping thread): wait until that teardown has released the context (a hang
-/// guard only: a leak fails after 60 s).
-fn clean(sim: &SimDriver) {
-    let t = Instant::now();
-    // The page-locked memory that teardowns keep for the context's next state (and the
-    // primary context's retain with it) counts as released once released.
-    while release(sim) && sim.counters().live_contexts > 0 && t.elapsed() < Duration::from_secs(60)
-    {
-        std::thread::yield_now();
-    }
-    let c = sim.counters();
-    assert_eq!(c.live_contexts, 0, "{c:?}");
-    assert_eq!(c.live_allocs, 0, "{c:?}");
-    assert_eq!(c.live_host_allocs, 0, "{c:?}");
-    assert_eq!(c.live_streams, 0, "{c:?}");
-    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
-}
-
 #[test]
 fn completion_is_pending_until_the_work_completes_and_woken_exactly_then() {
     let (sim, ctx) = setup();
@@ -103,7 +83,7 @@ fn completion_is_pending_until_the_work_completes_and_woken_exactly_then() {
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken more than once");
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 #[test]
@@ -123,7 +103,7 @@ fn completion_covers_only_work_enqueued_before_it() {
         assert!(second.is_complete());
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 #[test]
@@ -170,7 +150,7 @@ fn to_vec_async_resolves_with_the_data_after_the_copy() {
         assert_eq!(b.to_vec(&s2).unwrap(), vec![11, 12, 13, 14]);
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
 }
 
@@ -197,7 +177,7 @@ fn dropped_futures_free_nothing_early_and_leak_nothing() {
         sim.advance(1_000);
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
 }
 
@@ -238,7 +218,7 @@ fn tasks_dropped_at_every_await_point_leak_nothing() {
             sim.advance(10_000);
         }
         drop(ctx);
-        clean(&sim);
+        common::assert_clean(&sim);
         assert!(
             sim.findings().is_empty(),
             "stop after {stop_after}: {:?}",
@@ -333,7 +313,7 @@ fn an_escaped_stream_reference_keeps_its_stream_and_the_task_moves_on() {
     drop(t);
     sim.advance(1_000);
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 #[test]
@@ -412,7 +392,7 @@ fn after_an_escape_the_task_stays_ordered_even_across_a_capture() {
     // No race: the read on the task's new stream was ordered after the escaped stream's write.
     assert!(sim.findings().is_empty(), "{:?}", sim.findings());
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 // Issue 21 ("the simulated driver as a user meets it"): on `SimDriver::realtime()` a completion

@@ -55,23 +55,6 @@ fn parks(ctx: &Context) -> bool {
     }
 }
 
-/// After the context is gone: no stream, event or allocation left, no misuse.
-fn clean(sim: &SimDriver) {
-    let t = Instant::now();
-    while cuda_stream_pool::release_pinned_cache(sim).is_ok()
-        && sim.counters().live_contexts > 0
-        && t.elapsed() < HANG
-    {
-        std::thread::yield_now();
-    }
-    let c = sim.counters();
-    assert_eq!(c.live_contexts, 0, "{c:?}");
-    assert_eq!(c.live_streams, 0, "{c:?}");
-    assert_eq!(c.live_events, 0, "{c:?}");
-    assert_eq!(c.live_host_allocs, 0, "{c:?}");
-    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
-}
-
 #[test]
 fn a_cold_poller_parks_on_a_doorbell_and_is_woken_when_the_work_completes() {
     let (sim, ctx) = setup();
@@ -124,7 +107,7 @@ fn a_cold_poller_parks_on_a_doorbell_and_is_woken_when_the_work_completes() {
         ));
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 #[test]
@@ -145,7 +128,7 @@ fn the_doorbell_holds_no_later_work_of_the_completions_stream() {
         assert!(second.is_complete());
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 #[test]
@@ -169,7 +152,7 @@ fn a_refused_doorbell_leaves_the_completion_to_the_flag() {
             );
         }
         drop(ctx);
-        clean(&sim);
+        common::assert_clean(&sim);
     }
 }
 
@@ -234,7 +217,7 @@ fn the_poller_does_not_park_on_a_doorbell_held_behind_another() {
         ));
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }
 
 /// Until the poller reports idle, for at most 20 ms (a poller that never parks while a
@@ -481,5 +464,5 @@ fn a_due_completion_is_woken_while_another_host_function_holds_the_doorbell() {
         ));
     }
     drop(ctx);
-    clean(&sim);
+    common::assert_clean(&sim);
 }

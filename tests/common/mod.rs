@@ -202,6 +202,29 @@ pub fn await_teardown(sim: &SimDriver, before: usize) {
     }
 }
 
+/// After the last context of `sim` is gone: waits (a 60 s bound reports a hang only) until its
+/// teardown has released it (the page-locked memory that teardowns keep for a context's next
+/// state, and the primary context's retain with it, count as released once released; a
+/// context dropped by the completion poller's waker is torn down on a thread of its own), then
+/// asserts that nothing is left (contexts, allocations, host allocations, streams, events) and
+/// that the simulation saw no misuse.
+pub fn assert_clean(sim: &SimDriver) {
+    let t = std::time::Instant::now();
+    while cuda_stream_pool::release_pinned_cache(sim).is_ok()
+        && sim.counters().live_contexts > 0
+        && t.elapsed() < Duration::from_secs(60)
+    {
+        std::thread::yield_now();
+    }
+    let c = sim.counters();
+    assert_eq!(c.live_contexts, 0, "{c:?}");
+    assert_eq!(c.live_allocs, 0, "{c:?}");
+    assert_eq!(c.live_host_allocs, 0, "{c:?}");
+    assert_eq!(c.live_streams, 0, "{c:?}");
+    assert_eq!(c.live_events, 0, "{c:?}");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
 /// Polls `f` on this thread until it is ready, parking between wake-ups (each wake-up unparks).
 #[allow(dead_code)]
 pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
