@@ -19,13 +19,6 @@ mod common;
 mod futures_util;
 use futures_util::{poll, waker, Counting, Yield};
 
-/// Frees the page-locked memory that teardowns keep for a context's next state (with the
-/// primary context's retain), so that a leak check sees only what is really left; `true`.
-fn release(sim: &SimDriver) -> bool {
-    cuda_stream_pool::release_pinned_cache(sim).unwrap();
-    true
-}
-
 /// Waits (real time, bounded) until the poller thread has called the waker `n` times.
 fn woken(c: &Counting, n: usize) -> bool {
     let t = Instant::now();
