@@ -42,8 +42,9 @@ pub(crate) struct Entry {
     /// Host address of the slot's flag (in a slab that lives as long as the hub).
     flag: usize,
     seq: u64,
-    /// Set by the entry's doorbell host function when it ran (the write, enqueued before it,
-    /// has landed then); `None` when the entry has no doorbell (see [`Hub::completion`]).
+    /// Set by the entry's doorbell host function when it ran (the event it waits for is
+    /// recorded just before the write, so the write lands at about that time, rarely just
+    /// after); `None` when the entry has no doorbell (see [`Hub::completion`]).
     bell: Option<Arc<AtomicBool>>,
     state: Mutex<EntryState>,
 }
@@ -77,7 +78,7 @@ impl Entry {
     }
 
     /// Whether the poller may stop reading this entry's flag and wait for its doorbell: it has
-    /// one that has not rung yet (it rings after the write has landed).
+    /// one that has not rung yet (once rung, the flag is read until it lands).
     fn waits_for_bell(&self) -> bool {
         self.bell
             .as_ref()
@@ -244,9 +245,9 @@ struct Bells {
     events: Vec<Event>,
 }
 
-/// A doorbell: rung by the host function enqueued behind a completion's write (on the driver's
-/// host-function thread: it only stores and unparks, never blocks nor calls the driver, and
-/// what it holds drops nothing of a user's).
+/// A doorbell: rung by the host function that the doorbell stream runs once a completion's
+/// stream reached its event (on the driver's host-function thread: it only stores and unparks,
+/// never blocks nor calls the driver, and what it holds drops nothing of a user's).
 struct Bell {
     /// The poller's thread, once it has started.
     poller: OnceLock<crate::sync::thread::Thread>,
@@ -274,9 +275,10 @@ pub(crate) type Health = Box<dyn Fn(bool) -> Option<Error> + Send + Sync>;
 /// capture-mode switches) per period, only while completions are pending and none lands.
 const PROBE_EVERY: Duration = Duration::from_millis(5);
 
-/// How long the poller reads the flags without pause after a flag landed or an entry arrived
-/// (spinning, then yielding), before it parks (every pending entry has a doorbell) or sleeps
-/// between sweeps. Completions made while no flag landed for this long get a doorbell.
+/// How long the poller reads the flags without pause after a flag landed, an entry arrived or
+/// a doorbell rang (spinning, then yielding), before it parks (a single pending entry whose
+/// doorbell has not rung) or sleeps between sweeps. Completions made while no flag landed for
+/// this long get a doorbell.
 const HOT: Duration = Duration::from_micros(50);
 
 /// The longest sleep between two sweeps over entries without a doorbell: the poller sleeps an
@@ -432,8 +434,8 @@ impl Hub {
         }
     }
 
-    /// Makes the doorbell stream wait for `event` (just recorded behind a completion's write),
-    /// then ring the doorbell, setting `rung`. Whether both were enqueued (a refusal leaves at
+    /// Makes the doorbell stream wait for `event` (just recorded on a completion's stream, right
+    /// before its write), then ring the doorbell, setting `rung`. Whether both were enqueued (a refusal leaves at
     /// most a wait on the doorbell stream, which orders nothing of anyone's). Counted as a
     /// doorbell in the making until the entry is submitted (see [`HubState::making`]).
     fn ring_after(&self, event: Event, rung: &Arc<AtomicBool>) -> bool {
@@ -719,7 +721,7 @@ impl Hub {
         let started = lock(&self.thread).is_some();
         let st = lock(&self.state);
         // Parked for a doorbell that has not rung: only a host function (which the model
-        // watches) or the health probe's period can wake it.
+        // watches), a new entry or doorbell, or the park's 1 ms bound can wake it.
         let for_bell = st
             .bell_parked
             .is_some_and(|r| r == self.bell.rings.load(Ordering::SeqCst));
@@ -795,7 +797,7 @@ impl Hub {
     /// (a waker), which may wait for the calling thread: then the teardown is run by a thread
     /// of its own, and the poller, which still reads the flags, exits before anything is freed.
     pub(crate) fn stop(&self) -> bool {
-        let running = {
+        let (running, bell_parked) = {
             // Under the state lock: the poller checks `stop` under it before it waits and before
             // it runs user code, so the notification below cannot fall between its check and
             // its wait (found by the fuzzer: a lost wake-up hung the teardown), and `running`
@@ -804,7 +806,6 @@ impl Hub {
             self.stop.store(true, Ordering::Release);
             (st.running, st.bell_parked.is_some())
         };
-        let (running, bell_parked) = running;
         self.cv.notify_all();
         if bell_parked {
             if let Some(t) = self.bell.poller.get() {

@@ -209,19 +209,6 @@ fn parks_or_not(ctx: &Context) {
     }
 }
 
-/// A waker that drops the last `Context` when woken (on the poller's thread, after a doorbell).
-struct DropsContext {
-    ctx: Mutex<Option<Context>>,
-    done: Mutex<mpsc::Sender<()>>,
-}
-impl Wake for DropsContext {
-    fn wake(self: Arc<Self>) {
-        let c = self.ctx.lock().unwrap().take();
-        drop(c);
-        let _ = self.done.lock().unwrap().send(());
-    }
-}
-
 #[test]
 fn the_last_context_dropped_by_a_belled_completions_waker() {
     let sim = Arc::new(SimDriver::new());
@@ -234,10 +221,7 @@ fn the_last_context_dropped_by_a_belled_completions_waker() {
         let s = o.stream().unwrap();
         sim.enqueue_work(s.raw(), 1_000).unwrap();
         let mut first = Box::pin(s.completed().unwrap());
-        let w = Waker::from(Arc::new(DropsContext {
-            ctx: Mutex::new(Some(ctx.clone())),
-            done: Mutex::new(tx),
-        }));
+        let w = common::DropsContext::waker(ctx.clone(), tx);
         assert!(poll(first.as_mut(), &w).is_pending());
         parks(&ctx);
         drop(ctx);

@@ -38,19 +38,6 @@ fn until_released(sim: &SimDriver) {
     }
 }
 
-/// A waker that drops the last `Context` when woken (on the completion poller's thread).
-struct DropsContext {
-    ctx: Mutex<Option<Context>>,
-    done: Mutex<mpsc::Sender<()>>,
-}
-impl Wake for DropsContext {
-    fn wake(self: Arc<Self>) {
-        let c = self.ctx.lock().unwrap().take();
-        drop(c);
-        let _ = self.done.lock().unwrap().send(());
-    }
-}
-
 /// Runs the scenario: a completion's waker, run by the poller, drops the last context while a
 /// second completion (its future dropped) that landed with it is still in the poller's list.
 /// `hold` keeps the stream busy (so that both are pending when polled), `release` lets its work
@@ -67,10 +54,7 @@ fn last_context_dropped_by_a_poller_waker(
     hold(&s);
     let mut first = Box::pin(s.completed().unwrap());
     let second = s.completed().unwrap();
-    let w = Waker::from(Arc::new(DropsContext {
-        ctx: Mutex::new(Some(ctx)),
-        done: Mutex::new(tx),
-    }));
+    let w = common::DropsContext::waker(ctx, tx);
     assert!(poll(first.as_mut(), &w).is_pending(), "the stream is held");
     drop((w, first, second, s));
     drop(o);

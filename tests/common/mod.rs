@@ -225,6 +225,32 @@ pub fn assert_clean(sim: &SimDriver) {
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
+/// A waker that drops the `Context` it holds when woken (the last one, in the tests that use
+/// it: the completion poller then runs a context's teardown from a waker), then says so on
+/// `done`.
+pub struct DropsContext {
+    pub ctx: std::sync::Mutex<Option<Context>>,
+    pub done: std::sync::Mutex<mpsc::Sender<()>>,
+}
+
+impl DropsContext {
+    /// A waker of `ctx` that reports on `done`.
+    pub fn waker(ctx: Context, done: mpsc::Sender<()>) -> std::task::Waker {
+        std::task::Waker::from(Arc::new(DropsContext {
+            ctx: std::sync::Mutex::new(Some(ctx)),
+            done: std::sync::Mutex::new(done),
+        }))
+    }
+}
+
+impl std::task::Wake for DropsContext {
+    fn wake(self: Arc<Self>) {
+        let c = self.ctx.lock().unwrap().take();
+        drop(c);
+        let _ = self.done.lock().unwrap().send(());
+    }
+}
+
 /// Polls `f` on this thread until it is ready, parking between wake-ups (each wake-up unparks).
 #[allow(dead_code)]
 pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
