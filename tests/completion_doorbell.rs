@@ -466,3 +466,62 @@ fn a_due_completion_is_woken_while_another_host_function_holds_the_doorbell() {
     drop(ctx);
     common::assert_clean(&sim);
 }
+
+/// A completion held on the GPU by a wait on host-mapped memory (the GPU tests' instrument): the
+/// cold poller gives it a doorbell (the context's doorbell stream appears), parks, and the
+/// completion resolves once the host releases the wait, woken once; the doorbell stream goes
+/// with the context. `progress` lets the simulation see the host's write (the GPU sees it alone).
+fn a_held_completion_resolves_through_its_doorbell(d: &Arc<dyn Driver>, progress: &dyn Fn()) {
+    use cuda_stream_pool::ContextOptions;
+    let opts = ContextOptions::default().isolated(true);
+    let ctx = Context::primary_with(d.clone(), 0, opts).unwrap();
+    ctx.bind().unwrap();
+    let word = HostWord::new(d);
+    {
+        let owner = ctx.owner();
+        let s = owner.stream().unwrap();
+        let streams = ctx.live_streams();
+        // SAFETY: `s` is live and not capturing; the word is set below, before the stream is
+        // synchronized and before the word is dropped.
+        unsafe { word.hold(s.raw(), 1) };
+        let mut done = Box::pin(s.completed().unwrap());
+        assert_eq!(
+            ctx.live_streams(),
+            streams + 1,
+            "a completion made while the poller is cold has no doorbell"
+        );
+        let (count, w) = waker();
+        assert!(poll(done.as_mut(), &w).is_pending());
+        assert!(parks(&ctx), "the poller keeps reading the pending flag");
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "woken while the GPU still waits"
+        );
+        word.set(1);
+        progress();
+        woken(&count, 1);
+        assert!(matches!(
+            poll(done.as_mut(), &w),
+            std::task::Poll::Ready(Ok(()))
+        ));
+        s.synchronize().unwrap();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken more than once");
+    }
+    drop(ctx);
+}
+
+#[test]
+fn a_held_completion_resolves_through_its_doorbell_on_the_simulation() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    a_held_completion_resolves_through_its_doorbell(&d, &|| sim.advance(1));
+    common::assert_clean(&sim);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_held_completion_resolves_through_its_doorbell_on_the_gpu() {
+    let _serial = common::gpu_lock();
+    a_held_completion_resolves_through_its_doorbell(&common::cuda(), &|| {});
+}
