@@ -432,9 +432,9 @@ pub mod hook {
         (BACKGROUND.0.load(Ordering::SeqCst), ran)
     }
 
-    /// This thread's identifier in a mutex's holder word: its id shifted left, with bit 0 set
-    /// when the thread is scheduled. 0 is "nobody (or in transition)".
-    fn me() -> u64 {
+    /// This thread's identifier in a mutex's holder word, shifted left (bit 0 clear). 0 is
+    /// "nobody (or in transition)".
+    fn id() -> u64 {
         // During thread exit (a thread-local destructor that locks) the id may be gone: such
         // a thread takes a fresh one, which is all the holder word needs.
         let id = ID
@@ -445,7 +445,12 @@ pub mod hook {
                 c.get()
             })
             .unwrap_or_else(|_| NEXT_ID.fetch_add(1, Ordering::Relaxed));
-        (id << 1) | u64::from(scheduled())
+        id << 1
+    }
+
+    /// [`id`], with bit 0 set when the thread is scheduled.
+    fn me() -> u64 {
+        id() | u64::from(scheduled())
     }
 
     /// Registers the calling thread with `sched` until the returned guard is dropped.
@@ -476,18 +481,27 @@ pub mod hook {
         }
     }
 
+    // The holder word is only a hint to other threads (whom a contended lock waits for) and a
+    // record for the holder itself (a re-entrant lock): relaxed stores suffice (a thread always
+    // reads its own latest store; another thread that reads a stale word only retries or
+    // yields), and keep the hooks' cost per lock to two plain stores, close to a build without
+    // them (the benchmarks and examples are built with the hooks: see BENCHMARKS.md).
     pub(crate) fn locked(holder: &AtomicU64) {
-        holder.store(me(), Ordering::SeqCst);
+        holder.store(id(), Ordering::Relaxed);
     }
 
     pub(crate) fn unlocking(holder: &AtomicU64) {
-        holder.store(0, Ordering::SeqCst);
+        holder.store(0, Ordering::Relaxed);
     }
 
     pub(crate) fn lock<'a, T: ?Sized>(
         m: &'a std::sync::Mutex<T>,
         holder: &AtomicU64,
     ) -> std::sync::MutexGuard<'a, T> {
+        if let Ok(g) = m.try_lock() {
+            locked(holder);
+            return g;
+        }
         let me = me();
         loop {
             match m.try_lock() {
@@ -501,7 +515,7 @@ pub mod hook {
                 }
                 Err(std::sync::TryLockError::WouldBlock) => {}
             }
-            let h = holder.load(Ordering::SeqCst);
+            let h = holder.load(Ordering::Relaxed);
             if h != 0 && h >> 1 == me >> 1 {
                 panic!(
                     "re-entrant lock: this thread already holds this lock of the crate \
