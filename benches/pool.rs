@@ -6,7 +6,8 @@
 //!   CSP_BENCH_DRIVER=sim cargo bench --bench pool     # the simulation's latency model
 //!
 //! Groups: `uncontended`; `threads/{pool,global_lock}/N` (time per operation on each of N
-//! threads); `live_owners/{pool,global_lock}/L` (with L other owners holding streams).
+//! threads; `threads/context_clone/N`, a context's clone and drop, the shared reference count
+//! every owner touches); `live_owners/{pool,global_lock}/L` (with L other owners holding streams).
 
 #[path = "common.rs"]
 mod common;
@@ -140,6 +141,11 @@ fn benches(c: &mut Criterion) {
             }
             g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
                 b.iter_custom(|iters| on_threads(n, iters, || pool_op(&ctx)))
+            });
+            // What one shared reference count costs at `n` threads: an owner clones the context
+            // (an `Arc`) when made and drops it when dropped, on every thread alike.
+            g.bench_with_input(BenchmarkId::new("context_clone", n), &n, |b, &n| {
+                b.iter_custom(|iters| on_threads(n, iters, || drop(black_box(ctx.clone()))))
             });
             g.bench_with_input(BenchmarkId::new("global_lock", n), &n, |b, &n| {
                 b.iter_custom(|iters| {
