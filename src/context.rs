@@ -334,6 +334,20 @@ struct Deferred {
     gen: u64,
 }
 
+/// Which pool of a context a held stream belongs to ([`CtxInner::pool_key`]).
+pub(crate) enum PoolKey {
+    /// One of the usual keys (flags 0 or 1, a priority in range): an index of the context's
+    /// pools, which live as long as the context.
+    Std(usize),
+    /// Another key's pool (rare).
+    Other(Arc<Pool>),
+}
+
+/// Aligned to 128 bytes so that the `Arc`'s reference counts, which every owner's clone of
+/// its context raises and lowers, sit on a cache line of their own: not on the line of the
+/// fields every acquisition reads (the driver, the pools), which other threads would then
+/// miss on each time.
+#[repr(align(128))]
 pub(crate) struct CtxInner {
     pub(crate) id: u64,
     /// The context's driver behind the device rules: every call of the crate for this context
@@ -1366,17 +1380,45 @@ impl CtxInner {
     }
 
     pub(crate) fn pool(&self, priority: i32, flags: u32) -> Arc<Pool> {
-        if let Some(i) = self.slot_index(priority, flags) {
-            return self.pools[i]
-                .get_or_init(|| {
-                    Arc::new(Pool::new(
-                        priority,
-                        flags,
-                        self.options.max_live_streams_per_key,
-                    ))
-                })
-                .clone();
+        self.pool_of(&self.pool_key(priority, flags)).clone()
+    }
+
+    /// The key of the pool of (priority, flags), made if new: what an owner keeps of the pool
+    /// of each stream it holds. A key of the usual flags is an index (no reference count to
+    /// touch: at 16 threads, every owner raising and lowering one shared count serialises them
+    /// on its cache line).
+    pub(crate) fn pool_key(&self, priority: i32, flags: u32) -> PoolKey {
+        match self.slot_index(priority, flags) {
+            Some(i) => {
+                self.std_pool(i);
+                PoolKey::Std(i)
+            }
+            None => PoolKey::Other(self.other_pool(priority, flags)),
         }
+    }
+
+    /// The pool of `key` (made by [`CtxInner::pool_key`] on this state).
+    pub(crate) fn pool_of<'a>(&'a self, key: &'a PoolKey) -> &'a Arc<Pool> {
+        match key {
+            PoolKey::Std(i) => self.std_pool(*i),
+            PoolKey::Other(p) => p,
+        }
+    }
+
+    /// The pool of standard key `i` (an index of `slot_index`), made on first use.
+    fn std_pool(&self, i: usize) -> &Arc<Pool> {
+        let (priority, flags) = (self.range.least - (i / 2) as i32, (i % 2) as u32);
+        self.pools[i].get_or_init(|| {
+            Arc::new(Pool::new(
+                priority,
+                flags,
+                self.options.max_live_streams_per_key,
+            ))
+        })
+    }
+
+    /// The pool of a (priority, flags) key outside the standard ones, made if new.
+    fn other_pool(&self, priority: i32, flags: u32) -> Arc<Pool> {
         if let Some(p) = self.find_pool(priority, flags) {
             return p;
         }

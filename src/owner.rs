@@ -2,10 +2,10 @@
 //! [`Context`] methods that make owners (here rather than in the context module, which sits
 //! below owners in the layering).
 
-use crate::context::{Context, Priority};
+use crate::context::{Context, PoolKey, Priority};
 use crate::driver::stream_flags;
 use crate::error::{Error, Result};
-use crate::pool::{Mode, Pool, Slot, Ticket};
+use crate::pool::{Mode, Slot, Ticket};
 use crate::stream::StreamRef;
 use smallvec::SmallVec;
 use std::cell::RefCell;
@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::task::Poll;
 
 struct Held {
-    pool: Arc<Pool>,
+    /// The stream's pool, as a key of the owner's context (no reference count per owner).
+    pool: PoolKey,
+    priority: i32,
     slot: Arc<Slot>,
     gen: u64,
 }
@@ -33,7 +35,7 @@ struct Inner {
 
 impl Inner {
     fn find(&self, priority: i32) -> Option<&Held> {
-        self.held.iter().find(|h| h.pool.priority == priority)
+        self.held.iter().find(|h| h.priority == priority)
     }
 }
 
@@ -261,24 +263,30 @@ impl Owner {
             }
         };
         let ci = &self.ctx.inner;
-        let pool = ci.pool(p, self.flags);
+        let key = ci.pool_key(p, self.flags);
+        let pool = ci.pool_of(&key);
         // Declared first, dropped last: after the stream is the owner's.
         let _defer = crate::context::DeferLoanDrops::begin();
-        let (slot, gen) = ci.acquire(&pool, mode)?;
+        let (slot, gen) = ci.acquire(pool, mode)?;
         let mut inner = self.inner.borrow_mut();
         if inner.find(p).is_some() {
             drop(inner);
-            ci.release(&pool, slot);
+            ci.release(pool, slot);
             return Ok(());
         }
-        inner.held.push(Held { pool, slot, gen });
+        inner.held.push(Held {
+            pool: key,
+            priority: p,
+            slot,
+            gen,
+        });
         Ok(())
     }
 
     /// The owner's held stream of priority `p` ([`Owner::hold`] first), ordered after
     /// `inner.after` if set.
     fn held_settled<'a>(&self, inner: &'a mut Inner, p: i32) -> Result<&'a Held> {
-        let Some(i) = inner.held.iter().position(|h| h.pool.priority == p) else {
+        let Some(i) = inner.held.iter().position(|h| h.priority == p) else {
             // Not reached: an owner gives no stream back while it lives (`hold` just made it
             // hold one); an error rather than a panic all the same.
             return Err(Error::invalid(
@@ -508,12 +516,7 @@ impl Owner {
             .borrow()
             .held
             .iter()
-            .map(|h| {
-                (
-                    h.pool.priority,
-                    StreamRef::new(&self.ctx, &h.slot, h.gen, None),
-                )
-            })
+            .map(|h| (h.priority, StreamRef::new(&self.ctx, &h.slot, h.gen, None)))
             .collect()
     }
 }
@@ -620,7 +623,8 @@ impl Future for OwnerReady {
             return Poll::Ready(Err(e));
         }
         let (p, flags) = (owner.inner.borrow().current, owner.flags);
-        let pool = ci.pool(p, flags);
+        let key = ci.pool_key(p, flags);
+        let pool = ci.pool_of(&key);
         if this.ticket.is_none() && pool.lent_out() > 0 {
             // Parked loans that ended come back first (they count against the cap).
             ci.reclaim_loans();
@@ -637,7 +641,12 @@ impl Future for OwnerReady {
                 Poll::Ready(Err(e))
             }
             Poll::Ready(Ok((slot, gen))) => {
-                owner.inner.borrow_mut().held.push(Held { pool, slot, gen });
+                owner.inner.borrow_mut().held.push(Held {
+                    pool: key,
+                    priority: p,
+                    slot,
+                    gen,
+                });
                 Poll::Ready(this.owner.take().ok_or_else(|| Error::invalid("no owner")))
             }
         }
@@ -646,8 +655,9 @@ impl Future for OwnerReady {
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        let ci = &self.ctx.inner;
         for h in self.inner.get_mut().held.drain(..) {
-            self.ctx.inner.release(&h.pool, h.slot);
+            ci.release(ci.pool_of(&h.pool), h.slot);
         }
     }
 }
