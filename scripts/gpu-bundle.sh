@@ -6,6 +6,8 @@
 #   scripts/gpu-bundle.sh                      # all test binaries of the workspace
 #   scripts/gpu-bundle.sh --bin NAME ...  # plus these binaries (--example NAME, --bench NAME too)
 #   scripts/gpu-bundle.sh --features F    # build everything with these cargo features (e.g. cudarc)
+#   scripts/gpu-bundle.sh --no-hooks ...  # the named programs without the model's hooks (a user's
+#                                         # build: for measurements; the tests keep them)
 #
 # Then, on a machine with an NVIDIA GPU, from a copy of the repository that includes .gpu/:
 #   bash .gpu/run-tests.sh [extra test-harness args]
@@ -20,10 +22,12 @@ grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 rm -rf .gpu && mkdir -p .gpu/tests .gpu/bin
 extra=()
 feats=()
+no_hooks=0
 while (($#)); do
   case "$1" in
     --bin|--example|--bench) extra+=("$1" "$2"); shift 2 ;;
     --features) feats=(--features "$2"); shift 2 ;;
+    --no-hooks) no_hooks=1; shift ;;
     *) echo "gpu-bundle: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -43,6 +47,15 @@ for line in open(sys.argv[1]):
         shutil.copy2(exe, os.path.join(sys.argv[2], name))
 PY
 if ((${#extra[@]})); then
+  if ((no_hooks)); then
+    # The crate's dev-dependency on itself turns the hooks on for every example and bench (and,
+    # by feature unification, for whatever is built with them): drop it for this build only.
+    cp Cargo.toml .gpu/Cargo.toml.orig
+    trap 'cp .gpu/Cargo.toml.orig Cargo.toml; rm -f .gpu/Cargo.toml.orig' EXIT
+    sed -i 's/"model-hooks", //' Cargo.toml
+    grep -q model-hooks <(sed -n '/^\[dev-dependencies\]/,/^\[/p' Cargo.toml) && {
+      echo "gpu-bundle: could not drop model-hooks from the dev-dependencies" >&2; exit 1; }
+  fi
   cargo build --release "${feats[@]}" "${extra[@]}" --message-format=json-render-diagnostics > "$msgs"
   python3 - "$msgs" .gpu/bin <<'PY'
 import json, shutil, sys, os
