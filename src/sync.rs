@@ -45,7 +45,19 @@ pub(crate) mod atomic {
 /// Thread handles for [`park`] and [`unpark`]: std's, or loom's under `cfg(loom)`.
 pub(crate) mod thread {
     #[cfg(not(loom))]
-    pub(crate) use std::thread::{current, Thread};
+    pub(crate) use std::thread::Thread;
+
+    /// The calling thread's handle.
+    #[cfg(all(not(loom), not(feature = "model-hooks")))]
+    pub(crate) use std::thread::current;
+
+    /// The calling thread's handle (with `model-hooks`, the thread also leaves the hook's
+    /// lists of parked and unparked threads when it exits: `hook::forget_at_exit`).
+    #[cfg(all(not(loom), feature = "model-hooks"))]
+    pub(crate) fn current() -> Thread {
+        super::hook::forget_at_exit();
+        std::thread::current()
+    }
 
     /// A loom thread and its park token. Loom's own `unpark` makes a thread that is blocked
     /// elsewhere (on a lock) runnable without keeping the token for its next `park`, which std
@@ -353,6 +365,9 @@ pub mod hook {
 
     /// Threads parked without a timeout in the crate right now (see [`is_parked`]), and threads
     /// unparked while not listed (their next park returns at once, as `std`'s token says).
+    /// A thread leaves both when it exits (see [`forget_at_exit`]): a test process starts a
+    /// completion poller per context, which a doorbell unparks, and one left listed per context
+    /// made every lookup slower as a fuzzing campaign went on.
     static PARKED: std::sync::Mutex<(Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)> =
         std::sync::Mutex::new((Vec::new(), Vec::new()));
 
@@ -360,6 +375,33 @@ pub mod hook {
     ) -> std::sync::MutexGuard<'static, (Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)>
     {
         PARKED.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the thread out of [`PARKED`]'s lists when it exits.
+    struct ForgetAtExit(std::thread::ThreadId);
+
+    impl Drop for ForgetAtExit {
+        fn drop(&mut self) {
+            let mut l = parked_list();
+            l.0.retain(|t| *t != self.0);
+            l.1.retain(|t| *t != self.0);
+        }
+    }
+
+    thread_local! {
+        static EXIT: RefCell<Option<ForgetAtExit>> = const { RefCell::new(None) };
+    }
+
+    /// The calling thread leaves [`PARKED`]'s lists when it exits (called where a thread takes
+    /// its own handle, `sync::thread::current`: [`super::unpark`] is given only such handles).
+    pub(crate) fn forget_at_exit() {
+        let _ = EXIT.try_with(|e| {
+            if let Ok(mut e) = e.try_borrow_mut() {
+                if e.is_none() {
+                    *e = Some(ForgetAtExit(std::thread::current().id()));
+                }
+            }
+        });
     }
 
     /// The calling thread listed in [`PARKED`] while this lives (unless a token was pending).
