@@ -555,8 +555,9 @@ impl Hub {
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
     /// ones. After a landing or a new entry it reads them without pause for [`HOT`] (spinning,
     /// then yielding); then it parks until a doorbell rings if the one pending entry has one
-    /// that has not rung, else it sleeps between sweeps (an eighth of the time since the last
-    /// landing, 50 µs to [`MAX_SLEEP`]); it parks while nothing is pending. A parked poller
+    /// that has not rung, else it naps between sweeps (parked with a timeout: an eighth of the
+    /// time since the last landing, 50 µs to [`MAX_SLEEP`]; a doorbell or the teardown's stop
+    /// ends the nap early); it parks while nothing is pending. A parked poller
     /// wakes every [`PROBE_EVERY`] to ask after the context's health. Returns the entries still
     /// pending (or landed but not finished) when stopped.
     ///
