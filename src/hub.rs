@@ -555,8 +555,9 @@ impl Hub {
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
     /// ones. After a landing or a new entry it reads them without pause for [`HOT`] (spinning,
     /// then yielding); then it parks until a doorbell rings if the one pending entry has one
-    /// that has not rung, else it sleeps between sweeps (an eighth of the time since the last
-    /// landing, 50 µs to [`MAX_SLEEP`]); it parks while nothing is pending. A parked poller
+    /// that has not rung, else it naps between sweeps (parked with a timeout: an eighth of the
+    /// time since the last landing, 50 µs to [`MAX_SLEEP`]; a doorbell or the teardown's stop
+    /// ends the nap early); it parks while nothing is pending. A parked poller
     /// wakes every [`PROBE_EVERY`] to ask after the context's health. Returns the entries still
     /// pending (or landed but not finished) when stopped.
     ///
@@ -681,7 +682,9 @@ impl Hub {
                 }
             } else {
                 let nap = (last.elapsed() / 8).clamp(Duration::from_micros(50), MAX_SLEEP);
-                std::thread::sleep(nap);
+                // Parked, not asleep: the teardown's stop ends the nap (as a doorbell does, which
+                // only makes the next sweep earlier), so a context's drop does not wait for it.
+                crate::sync::park_timeout(nap);
             }
         }
     }
@@ -797,20 +800,19 @@ impl Hub {
     /// (a waker), which may wait for the calling thread: then the teardown is run by a thread
     /// of its own, and the poller, which still reads the flags, exits before anything is freed.
     pub(crate) fn stop(&self) -> bool {
-        let (running, bell_parked) = {
+        let running = {
             // Under the state lock: the poller checks `stop` under it before it waits and before
             // it runs user code, so the notification below cannot fall between its check and
             // its wait (found by the fuzzer: a lost wake-up hung the teardown), and `running`
             // cannot be set after this.
             let st = lock(&self.state);
             self.stop.store(true, Ordering::Release);
-            (st.running, st.bell_parked.is_some())
+            st.running
         };
         self.cv.notify_all();
-        if bell_parked {
-            if let Some(t) = self.bell.poller.get() {
-                crate::sync::unpark(t);
-            }
+        // Parked for a doorbell, or napping between sweeps (a park too): it sees `stop` at once.
+        if let Some(t) = self.bell.poller.get() {
+            crate::sync::unpark(t);
         }
         !running && !IN_POLLER.try_with(|p| p.get()).unwrap_or(true)
     }

@@ -45,7 +45,19 @@ pub(crate) mod atomic {
 /// Thread handles for [`park`] and [`unpark`]: std's, or loom's under `cfg(loom)`.
 pub(crate) mod thread {
     #[cfg(not(loom))]
-    pub(crate) use std::thread::{current, Thread};
+    pub(crate) use std::thread::Thread;
+
+    /// The calling thread's handle.
+    #[cfg(all(not(loom), not(feature = "model-hooks")))]
+    pub(crate) use std::thread::current;
+
+    /// The calling thread's handle (with `model-hooks`, the thread also leaves the hook's
+    /// lists of parked and unparked threads when it exits: `hook::forget_at_exit`).
+    #[cfg(all(not(loom), feature = "model-hooks"))]
+    pub(crate) fn current() -> Thread {
+        super::hook::forget_at_exit();
+        std::thread::current()
+    }
 
     /// A loom thread and its park token. Loom's own `unpark` makes a thread that is blocked
     /// elsewhere (on a lock) runnable without keeping the token for its next `park`, which std
@@ -351,15 +363,63 @@ pub mod hook {
     /// Wake-ups handed to the crate's background threads, and those that have run.
     pub(crate) static BACKGROUND: (AtomicU64, AtomicU64) = (AtomicU64::new(0), AtomicU64::new(0));
 
-    /// Threads parked without a timeout in the crate right now (see [`is_parked`]), and threads
-    /// unparked while not listed (their next park returns at once, as `std`'s token says).
-    static PARKED: std::sync::Mutex<(Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)> =
-        std::sync::Mutex::new((Vec::new(), Vec::new()));
+    /// Threads parked without a timeout in the crate right now (see [`is_parked`]); threads
+    /// unparked while not listed (their next park returns at once, as `std`'s token says); and
+    /// the live threads that took their own handle (`sync::thread::current`, see
+    /// [`forget_at_exit`]), the only ones [`super::unpark`] is given. A thread leaves the three
+    /// when it exits, and an unpark of a thread that has exited is not kept: a test process
+    /// starts a completion poller per context, which a doorbell can unpark after it exited (the
+    /// teardown synchronizes the doorbell stream after the poller's join), and one entry left
+    /// per context made every lookup slower as a fuzzing campaign went on.
+    struct Lists {
+        parked: Vec<std::thread::ThreadId>,
+        unparked: Vec<std::thread::ThreadId>,
+        live: Option<std::collections::HashSet<std::thread::ThreadId>>,
+    }
 
-    fn parked_list(
-    ) -> std::sync::MutexGuard<'static, (Vec<std::thread::ThreadId>, Vec<std::thread::ThreadId>)>
-    {
+    static PARKED: std::sync::Mutex<Lists> = std::sync::Mutex::new(Lists {
+        parked: Vec::new(),
+        unparked: Vec::new(),
+        live: None,
+    });
+
+    fn parked_list() -> std::sync::MutexGuard<'static, Lists> {
         PARKED.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the thread out of [`PARKED`]'s lists when it exits.
+    struct ForgetAtExit(std::thread::ThreadId);
+
+    impl Drop for ForgetAtExit {
+        fn drop(&mut self) {
+            let mut l = parked_list();
+            l.parked.retain(|t| *t != self.0);
+            l.unparked.retain(|t| *t != self.0);
+            if let Some(live) = l.live.as_mut() {
+                live.remove(&self.0);
+            }
+        }
+    }
+
+    thread_local! {
+        static EXIT: RefCell<Option<ForgetAtExit>> = const { RefCell::new(None) };
+    }
+
+    /// The calling thread is live in [`PARKED`] until it exits, and then leaves its lists
+    /// (called where a thread takes its own handle, `sync::thread::current`).
+    pub(crate) fn forget_at_exit() {
+        let _ = EXIT.try_with(|e| {
+            if let Ok(mut e) = e.try_borrow_mut() {
+                if e.is_none() {
+                    let me = std::thread::current().id();
+                    parked_list()
+                        .live
+                        .get_or_insert_with(Default::default)
+                        .insert(me);
+                    *e = Some(ForgetAtExit(me));
+                }
+            }
+        });
     }
 
     /// The calling thread listed in [`PARKED`] while this lives (unless a token was pending).
@@ -369,11 +429,11 @@ pub mod hook {
         pub(crate) fn new() -> Parked {
             let me = std::thread::current().id();
             let mut l = parked_list();
-            if let Some(i) = l.1.iter().position(|t| *t == me) {
+            if let Some(i) = l.unparked.iter().position(|t| *t == me) {
                 // Unparked before it parks: the park returns at once.
-                l.1.swap_remove(i);
+                l.unparked.swap_remove(i);
             } else {
-                l.0.push(me);
+                l.parked.push(me);
             }
             Parked(me)
         }
@@ -382,19 +442,21 @@ pub mod hook {
     impl Drop for Parked {
         fn drop(&mut self) {
             let mut l = parked_list();
-            if let Some(i) = l.0.iter().position(|t| *t == self.0) {
-                l.0.swap_remove(i);
+            if let Some(i) = l.parked.iter().position(|t| *t == self.0) {
+                l.parked.swap_remove(i);
             }
         }
     }
 
-    /// `t` is unparked: runnable from now on (listed no more), or its next park returns at once.
+    /// `t` is unparked: runnable from now on (listed no more), or its next park returns at once
+    /// (if it is still live).
     pub(crate) fn unparking(t: std::thread::ThreadId) {
         let mut l = parked_list();
-        if let Some(i) = l.0.iter().position(|x| *x == t) {
-            l.0.swap_remove(i);
-        } else if !l.1.contains(&t) {
-            l.1.push(t);
+        if let Some(i) = l.parked.iter().position(|x| *x == t) {
+            l.parked.swap_remove(i);
+        } else if l.live.as_ref().is_some_and(|live| live.contains(&t)) && !l.unparked.contains(&t)
+        {
+            l.unparked.push(t);
         }
     }
 
@@ -405,8 +467,8 @@ pub mod hook {
         let me = std::thread::current().id();
         {
             let mut l = parked_list();
-            l.0.retain(|t| *t != me);
-            l.1.retain(|t| *t != me);
+            l.parked.retain(|t| *t != me);
+            l.unparked.retain(|t| *t != me);
         }
         // (A token left by an unpark of an earlier use: a new thread has none. Taken by
         // unparking and parking: the park returns at once, with or without an earlier token. A
@@ -419,7 +481,7 @@ pub mod hook {
     /// acquisition at a cap, waiting for a stream to come back): it runs again only when
     /// something unparks it.
     pub fn is_parked(t: std::thread::ThreadId) -> bool {
-        parked_list().0.contains(&t)
+        parked_list().parked.contains(&t)
     }
 
     /// (handed, run): wake-ups handed to the crate's background threads (the waker thread that

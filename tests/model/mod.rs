@@ -918,7 +918,8 @@ impl Model {
     /// Every (owner id, raw stream) pair held: the model's owners, those only a capture keeps,
     /// and those attached to futures.
     fn held_pairs(&self) -> Vec<(u64, u64)> {
-        let mut v = Vec::new();
+        // (Sized for an owner's stream each, the usual case: this runs after every step.)
+        let mut v = Vec::with_capacity(self.owners.len() + self.guards.len() + self.futs.len());
         let mut push = |id: u64, o: &Owner| {
             for (_, s) in o.streams() {
                 v.push((id, s.raw().0));
@@ -952,6 +953,12 @@ impl Model {
     fn sync_holdings_with(&mut self, pairs: &[(u64, u64)]) {
         let mut now = pairs.to_vec();
         now.sort_unstable();
+        if now == self.held && self.nheld.iter().map(|e| e.1).sum::<usize>() == now.len() {
+            // The same pairs as at the last reading (the usual case), none twice then or now:
+            // no hand-over, and the same streams per owner (`nheld`), so no acquisition by an
+            // owner holding a stream already. (What the rest would find, without its vectors.)
+            return;
+        }
         // Streams held per owner (pairs counted as given, as `per` counted them).
         let mut per: Vec<(u64, usize)> = Vec::new();
         for &(id, _) in &now {
@@ -1220,7 +1227,8 @@ impl Model {
     }
 
     fn settle(&self) -> (u64, u64, u64) {
-        let hang = std::time::Instant::now() + futs::HANG_LIMIT;
+        // (Read at the first reading that is not quiet: most are, and this runs twice a step.)
+        let mut hang = None;
         let mut seen = None;
         loop {
             // A host function that became due starts at the simulation's next step: this one.
@@ -1237,6 +1245,7 @@ impl Model {
                 seen = Some((hs, bq, ab));
                 continue;
             }
+            let hang = *hang.get_or_insert_with(|| std::time::Instant::now() + futs::HANG_LIMIT);
             assert!(
                 std::time::Instant::now() < hang,
                 "a hang: a host function or a job of the crate's background threads did not \

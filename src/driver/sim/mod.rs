@@ -214,7 +214,7 @@ struct State {
     /// The busy streams `progress` must visit even before `next_due`, and why: every other busy
     /// stream's first operation has started (or got its start time) and changes only with the
     /// clock, no earlier than `next_due`.
-    watch: BTreeMap<u64, streams::Watch>,
+    watch: streams::Watched,
     /// The earliest time at which a busy stream outside `watch` can change.
     next_due: u64,
     /// Host-mapped memory (hostmem.rs).
@@ -383,7 +383,7 @@ impl SimDriver {
                 host: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
-                watch: BTreeMap::new(),
+                watch: streams::Watched::default(),
                 next_due: u64::MAX,
                 host_mem: HostMem::default(),
                 blocked_creates: 0,

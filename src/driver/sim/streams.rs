@@ -210,6 +210,49 @@ pub(super) enum Watch {
     Event,
 }
 
+/// The watched streams (`State::watch`), by why: `progress` visits the event-watched ones only
+/// once a record has completed in the call, so it lists them only then (they can be many: in a
+/// model whose clock stands still, every stream waiting for an unrecorded event).
+#[derive(Default)]
+pub(super) struct Watched {
+    always: std::collections::BTreeSet<u64>,
+    event: std::collections::BTreeSet<u64>,
+}
+
+impl Watched {
+    pub(super) fn insert(&mut self, id: u64, why: Watch) {
+        let (to, from) = match why {
+            Watch::Always => (&mut self.always, &mut self.event),
+            Watch::Event => (&mut self.event, &mut self.always),
+        };
+        from.remove(&id);
+        to.insert(id);
+    }
+
+    pub(super) fn remove(&mut self, id: &u64) {
+        if !self.always.remove(id) {
+            self.event.remove(id);
+        }
+    }
+
+    /// Every watched stream above `after` (all with `None`), in ascending order, and why.
+    fn list(&self, after: Option<u64>, out: &mut Vec<(u64, Watch)>) {
+        let lo = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+        let range = (lo, std::ops::Bound::Unbounded);
+        let mut a = self.always.range(range).peekable();
+        let mut e = self.event.range(range).peekable();
+        loop {
+            let next = match (a.peek(), e.peek()) {
+                (Some(&&x), Some(&&y)) if x < y => (*a.next().unwrap(), Watch::Always),
+                (Some(_), Some(_)) | (None, Some(_)) => (*e.next().unwrap(), Watch::Event),
+                (Some(_), None) => (*a.next().unwrap(), Watch::Always),
+                (None, None) => return,
+            };
+            out.push(next);
+        }
+    }
+}
+
 /// A job of the host-function worker thread.
 pub(super) type HostJob = Box<dyn FnOnce() + Send + 'static>;
 
@@ -341,12 +384,33 @@ impl SimDriver {
         let mut any = false;
         loop {
             let mut changed = false;
-            let ids: Vec<(u64, Watch)> = if all {
-                st.busy.iter().map(|&id| (id, Watch::Always)).collect()
+            // The pass visits the streams listed at its start, in ascending order, the
+            // event-watched ones only once a record has completed. Before that they are not
+            // listed; if a record completes during the pass, those above the stream just visited
+            // join it then (a visit changes only the visited stream's entry, so they are what
+            // the list at the pass's start held).
+            let mut events_left_out = false;
+            let mut ids: Vec<(u64, Watch)> = Vec::new();
+            if all {
+                ids.extend(st.busy.iter().map(|&id| (id, Watch::Always)));
+            } else if completed {
+                st.watch.list(None, &mut ids);
             } else {
-                st.watch.iter().map(|(&id, &w)| (id, w)).collect()
-            };
-            for (id, why) in ids {
+                ids.extend(st.watch.always.iter().map(|&id| (id, Watch::Always)));
+                events_left_out = !st.watch.event.is_empty();
+            }
+            let (mut k, mut last) = (0, None);
+            loop {
+                if events_left_out && completed {
+                    // The rest of the list, with the event-watched streams above the last one
+                    // visited.
+                    events_left_out = false;
+                    ids.truncate(k);
+                    st.watch.list(last, &mut ids);
+                }
+                let Some(&(id, why)) = ids.get(k) else { break };
+                k += 1;
+                last = Some(id);
                 if why == Watch::Event && !completed {
                     continue;
                 }
