@@ -110,6 +110,16 @@ impl<'a> StreamRef<'a> {
         self.slot.expose(self.gen)
     }
 
+    /// The handle, without it leaving the crate (no exposure, unlike [`StreamRef::raw`]): for a
+    /// model of the crate that names streams in its own bookkeeping, so that naming one does not
+    /// change what the crate knows of it (a stream whose handle was exposed is never known idle,
+    /// and its hand-over always queries). Builds with the `model-hooks` feature only.
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_handle(&self) -> driver::Stream {
+        self.slot.observe()
+    }
+
     /// The handle, for an enqueue by the crate itself (counted: see `Slot::enqueue`).
     #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn enqueue_handle(&self) -> driver::Stream {

@@ -194,7 +194,7 @@ impl Model {
                 if let Ok(s) = o.stream() {
                     let _ = self.sim.enqueue_work(s.raw(), 100);
                     // A hand-over the model does not otherwise see.
-                    *self.gens.entry(s.raw().0).or_insert(0) += 1;
+                    *self.gens.entry(s.model_handle().0).or_insert(0) += 1;
                 }
             }
             tmp.push(o);

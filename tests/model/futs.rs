@@ -158,7 +158,7 @@ impl Model {
             if let Kind::Attach { f, id } = &f.kind {
                 if let Some(o) = f.owner() {
                     for (_, s) in o.streams() {
-                        v.push((*id, s.raw().0));
+                        v.push((*id, s.model_handle().0));
                     }
                 }
             }
@@ -215,7 +215,7 @@ impl Model {
             t0
         };
         Cover {
-            raw: s.raw().0,
+            raw: s.model_handle().0,
             not_before,
             marker,
         }
@@ -252,7 +252,7 @@ impl Model {
             return;
         }
         let cover = self.cover(&s, ns, marker);
-        let raw = s.raw().0;
+        let raw = s.model_handle().0;
         match b.to_vec_async(&s) {
             Ok(f) => {
                 let expect = self.bufs[j].val.clone();
@@ -308,7 +308,7 @@ impl Model {
         let c = self.ctx().clone();
         let body: AttachFut = Box::pin(async move {
             // Library code deep inside a task: the current owner's stream.
-            let first = c.stream().map(|s| s.raw().0).ok();
+            let first = c.stream().map(|s| s.model_handle().0).ok();
             let done = if wait {
                 c.stream().ok().and_then(|s| s.completed().ok())
             } else {
@@ -317,7 +317,7 @@ impl Model {
             if let Some(d) = done {
                 let _ = d.await;
             }
-            let second = c.stream().map(|s| s.raw().0).ok();
+            let second = c.stream().map(|s| s.model_handle().0).ok();
             (first, second)
         });
         self.futs.push(Fut::new(Kind::Attach {
@@ -422,14 +422,17 @@ impl Model {
                     let o = a.owner().expect("the owner is back after the poll");
                     // The owner goes with the future: what it took in this poll is counted now
                     // (the step's `sync_holdings` no longer sees it).
-                    let pairs: Vec<(u64, u64)> =
-                        o.streams().iter().map(|(_, s)| (*id, s.raw().0)).collect();
+                    let pairs: Vec<(u64, u64)> = o
+                        .streams()
+                        .iter()
+                        .map(|(_, s)| (*id, s.model_handle().0))
+                        .collect();
                     self.sync_gone(*id, &pairs);
                     let mine = o
                         .streams()
                         .into_iter()
                         .find(|(q, _)| *q == o.priority())
-                        .map(|(_, s)| s.raw().0);
+                        .map(|(_, s)| s.model_handle().0);
                     for seen in [first, second].into_iter().flatten() {
                         assert_eq!(
                             Some(seen),
@@ -524,11 +527,10 @@ impl Model {
         // `check_capture_ended`) stays out of circulation for good and keeps its place under the
         // cap: what such an owner gives back cannot serve the thread. Campaign 11's finding
         // `regression-stuck-capture-holds-its-cap-d0303a4b` before this.
-        let gives_back_stuck = self.owners[i]
-            .1
-            .streams()
-            .iter()
-            .any(|(q, s)| *q == key && self.stuck.iter().any(|&(_, r)| r == s.raw().0));
+        let gives_back_stuck =
+            self.owners[i].1.streams().iter().any(|(q, s)| {
+                *q == key && self.stuck.iter().any(|&(_, r)| r == s.model_handle().0)
+            });
         if gives_back_stuck {
             return;
         }
@@ -544,7 +546,7 @@ impl Model {
             .streams()
             .into_iter()
             .find(|(q, _)| *q == key)
-            .map(|(_, s)| s.raw())
+            .map(|(_, s)| s.model_handle())
             .expect("checked above");
 
         let ctx = self.ctx().clone();
@@ -554,7 +556,7 @@ impl Model {
             let r = (|| {
                 let mine = ctx.owner();
                 mine.set_priority(Priority::Value(key))?;
-                let raw = mine.stream()?.raw().0;
+                let raw = mine.stream()?.model_handle().0;
                 Ok::<u64, Error>(raw)
             })();
             let (ctx, mode) = sim.thread_state();
@@ -616,7 +618,7 @@ impl Model {
                         o.streams()
                             .into_iter()
                             .find(|(q, _)| *q == o.priority())
-                            .map(|(_, s)| s.raw().0)
+                            .map(|(_, s)| s.model_handle().0)
                     })
                     .is_some_and(idle),
                 Kind::Ready {
@@ -881,7 +883,7 @@ impl Model {
                     if let Poll::Ready(Ok(o)) = Pin::new(&mut f).poll(&mut TaskCx::from_waker(&w)) {
                         let mut h = handed.lock().unwrap_or_else(|p| p.into_inner());
                         for (_, s) in o.streams() {
-                            *h.entry(s.raw().0).or_insert(0) += 1;
+                            *h.entry(s.model_handle().0).or_insert(0) += 1;
                         }
                     }
                 })

@@ -46,7 +46,7 @@ impl Model {
         if acquired {
             self.check_fresh(&s);
         }
-        let raw = s.raw();
+        let raw = s.model_handle();
         match s.lend(|r| Ok(Arc::new(Borrowed(r)))) {
             Ok(h) => {
                 assert_eq!(h.0, raw, "a loan's handle names another stream");

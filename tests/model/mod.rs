@@ -578,7 +578,7 @@ impl Capture {
     /// Begins capturing the owner's current stream.
     fn begin(owner_id: u64, owner: Rc<Owner>) -> Option<Capture> {
         let s = owner.stream_shared().ok()?;
-        let raw = s.raw().0;
+        let raw = s.model_handle().0;
         let guard = s.begin_capture().ok()?;
         drop(s);
         Some(Capture {
@@ -612,7 +612,7 @@ fn still_capturing(owner: &Owner, raw: u64) -> bool {
     owner
         .streams()
         .iter()
-        .any(|(_, s)| s.raw().0 == raw && s.is_capturing().unwrap_or(false))
+        .any(|(_, s)| s.model_handle().0 == raw && s.is_capturing().unwrap_or(false))
 }
 
 type Drv = Hooked<Sched>;
@@ -824,7 +824,12 @@ fn check_switch_ordered(sim: &SimDriver, o: &Owner, from: i32, to: i32, what: &s
         return;
     }
     let streams = o.streams();
-    let find = |p: i32| streams.iter().find(|(q, _)| *q == p).map(|(_, s)| s.raw());
+    let find = |p: i32| {
+        streams
+            .iter()
+            .find(|(q, _)| *q == p)
+            .map(|(_, s)| s.model_handle())
+    };
     let (Some(prev), Some(next)) = (find(from), find(to)) else {
         return;
     };
@@ -922,7 +927,7 @@ impl Model {
         let mut v = Vec::with_capacity(self.owners.len() + self.guards.len() + self.futs.len());
         let mut push = |id: u64, o: &Owner| {
             for (_, s) in o.streams() {
-                v.push((id, s.raw().0));
+                v.push((id, s.model_handle().0));
             }
         };
         // The owners of `all_owners`, in its order, without cloning them (this runs after
@@ -1148,7 +1153,7 @@ impl Model {
     }
 
     fn capturing(&self, s: &StreamRef) -> bool {
-        self.guards.iter().any(|c| c.raw == s.raw().0)
+        self.guards.iter().any(|c| c.raw == s.model_handle().0)
     }
 
     /// The capture of stream `raw`, if the model has one.
@@ -1358,7 +1363,7 @@ impl Model {
                 if let Some(h) = self.holder(holder) {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
-                        let raw = s.raw().0;
+                        let raw = s.model_handle().0;
                         if let Some(c) = self.capture_of(raw) {
                             // Refused before any driver call; the capture is left as it was.
                             let g = c.guard();
@@ -1402,7 +1407,7 @@ impl Model {
                             let window = self.open_window();
                             let b = self.bufs[j].b.clone();
                             let r = b.use_on(&s);
-                            let raw = s.raw().0;
+                            let raw = s.model_handle().0;
                             self.check_buffer_calls(
                                 window,
                                 self.bufs[j].last,
@@ -1429,7 +1434,7 @@ impl Model {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
-                        let raw = s.raw().0;
+                        let raw = s.model_handle().0;
                         let ok = access(&self.sim, &b, &s, write, ns);
                         if ok {
                             self.used(j, raw);
@@ -1446,7 +1451,7 @@ impl Model {
                     if let Some(s) = h.stream() {
                         self.sync_holdings();
                         let b = self.bufs[j].b.clone();
-                        let raw = s.raw().0;
+                        let raw = s.model_handle().0;
                         let before = b.last_use();
                         let r = k.add_u32(&s, &b, 1);
                         let ptr = b.as_raw().0;
@@ -1484,9 +1489,9 @@ impl Model {
                             if let Some(want) = &self.bufs[j].val {
                                 assert_eq!(&v, want, "a blocking copy read unexpected contents");
                             }
-                            self.used(j, s.raw().0);
+                            self.used(j, s.model_handle().0);
                         } else {
-                            self.used_if_recorded(j, s.raw().0, before);
+                            self.used_if_recorded(j, s.model_handle().0, before);
                         }
                     }
                 }
@@ -1611,7 +1616,7 @@ impl Model {
                     match Rc::try_unwrap(o) {
                         Ok(o) => {
                             if let Ok(s) = o.stream() {
-                                let raw = s.raw().0;
+                                let raw = s.model_handle().0;
                                 if let Ok(g) = s.begin_capture() {
                                     std::mem::forget(g);
                                     self.leaked.push(raw);
@@ -1851,7 +1856,10 @@ impl Model {
 
     /// A stream just handed to an owner has no pending work.
     fn check_fresh(&self, s: &StreamRef) {
-        assert!(!self.sim.is_busy(s.raw()), "a busy stream was handed out");
+        assert!(
+            !self.sim.is_busy(s.model_handle()),
+            "a busy stream was handed out"
+        );
     }
 
     /// The invariants that hold after every step.
@@ -2108,8 +2116,8 @@ fn worker(shared: &Shared, bufs: Vec<Arc<DeviceBuffer<u32>>>, steps: &[WOp]) -> 
     let mut owner = shared.ctx.owner();
     let note = |o: &Owner, out: &mut WorkerOut| {
         for (_, s) in o.streams() {
-            if !out.held.contains(&s.raw().0) {
-                out.held.push(s.raw().0);
+            if !out.held.contains(&s.model_handle().0) {
+                out.held.push(s.model_handle().0);
             }
         }
     };
