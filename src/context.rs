@@ -1383,16 +1383,14 @@ impl CtxInner {
         self.pool_of(&self.pool_key(priority, flags)).clone()
     }
 
-    /// The key of the pool of (priority, flags), made if new: what an owner keeps of the pool
-    /// of each stream it holds. A key of the usual flags is an index (no reference count to
-    /// touch: at 16 threads, every owner raising and lowering one shared count serialises them
-    /// on its cache line).
+    /// The key of the pool of (priority, flags): what an owner keeps of the pool of each stream
+    /// it holds. A key of the usual flags is an index (no reference count to touch: at 16
+    /// threads, every owner raising and lowering one shared count serialises them on its cache
+    /// line); its pool is made by the first [`CtxInner::pool_of`]. Another key's pool is made
+    /// here if new.
     pub(crate) fn pool_key(&self, priority: i32, flags: u32) -> PoolKey {
         match self.slot_index(priority, flags) {
-            Some(i) => {
-                self.std_pool(i);
-                PoolKey::Std(i)
-            }
+            Some(i) => PoolKey::Std(i),
             None => PoolKey::Other(self.other_pool(priority, flags)),
         }
     }
