@@ -10,8 +10,9 @@
 //!   `spawn_blocking`-free code (blocks the worker).
 //!
 //! ```sh
-//! cargo run --release --example async_server -- [--n 10000] [--mode async|blocking|shared] [--workers 16] [--cap 64] [--json]
+//! cargo run --release --example async_server -- [--n 10000] [--mode async|blocking|shared] [--workers 16] [--cap 64] [--json] [--sim]
 //! ```
+//! `--sim` runs on the simulated driver even where there is a GPU.
 //! `--cap N` caps live streams per key (`ContextOptions::max_live_streams_per_key`; 0, the
 //! default, is no cap); async tasks then wait for a stream with `Owner::ready` (FIFO, no thread
 //! blocked).
@@ -89,17 +90,25 @@ fn request_shared(ctx: &Context, k: &Kernels, i: u32) -> Res<()> {
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
+    run(&args)
+}
+
+/// The server with these command-line arguments (`args[0]` is the program's name).
+pub fn run(args: &[String]) -> Res<()> {
+    let args = args.to_vec();
     let n: u32 = arg(&args, "--n", 10_000)?;
     let workers: usize = arg(&args, "--workers", 16)?;
     let mode: String = arg(&args, "--mode", "async".to_string())?;
     let cap: usize = arg(&args, "--cap", 0)?; // 0: no cap
     let json = args.iter().any(|a| a == "--json");
+    let sim = args.iter().any(|a| a == "--sim");
     if n == 0 || workers == 0 || !["async", "blocking", "shared"].contains(&mode.as_str()) {
         return Err("--n and --workers must be positive, --mode async|blocking|shared".into());
     }
     let opts = ContextOptions::default().max_live_streams_per_key((cap > 0).then_some(cap));
     let drv: Arc<dyn Driver> = match driver::load(Choice::Cuda) {
-        Ok((d, _)) => d,
+        Ok((d, _)) if !sim => d,
+        Ok(_) => Arc::new(SimDriver::realtime()),
         Err(e) => {
             eprintln!("no GPU ({e}); running on the simulated driver");
             Arc::new(SimDriver::realtime())
@@ -114,10 +123,9 @@ fn main() -> Res<()> {
         .build()?;
     let peak_streams = Arc::new(AtomicU64::new(0));
     let peak_threads = Arc::new(AtomicU64::new(0));
-    let (free0, _) = {
-        let _o = ctx.owner();
-        drv.mem_get_info()?
-    };
+    // The crate leaves the thread's current context as it found it: make it current here.
+    ctx.bind()?;
+    let (free0, _) = drv.mem_get_info()?;
     let min_free = Arc::new(AtomicU64::new(free0 as u64));
     let start = Instant::now();
     let lat: Vec<u64> = rt.block_on(async {
