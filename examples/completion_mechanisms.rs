@@ -6,16 +6,21 @@
 //!   (`cuEventQuery`) with backoff;
 //! * `flag-poller`: `cuStreamWriteValue64` of a sequence number into host-mapped memory, and one
 //!   poller thread reading the flags (no driver call) with backoff.
+//! * `blocking-event`: `cuEventRecord` of an event made with `CU_EVENT_BLOCKING_SYNC`, and one
+//!   waiter thread that blocks in `cuEventSynchronize` on the pending events in order (the driver
+//!   wakes it: no polling; a later completion waits behind an earlier one).
 //!
 //! For each mechanism, at 1 and 16 threads: the completion latency (the host releases a stream
 //! held by `cuStreamWaitValue32` -> the waker is called; includes the GPU noticing the host
 //! write, the same for all), the throughput (each thread keeps 32 streams busy with a one-word
 //! memset plus a completion, and waits for all 32 before the next round), and the process's CPU
 //! time per completion. Repeats are interleaved and medians reported; `--json` prints one JSON
-//! object per line as well.
+//! object per line as well. `--idle-us 50,1000,20000` measures the latency after each of these
+//! idle times (the stream is released this long after the completion was enqueued; default 50):
+//! a mechanism whose thread sleeps deeper after a long idle wakes later.
 //!
 //! ```sh
-//! cargo run --release --example completion_mechanisms -- [--reps 5] [--json]
+//! cargo run --release --example completion_mechanisms -- [--reps 5] [--idle-us 50] [--json]
 //! ```
 //! Needs an NVIDIA GPU: on the simulated driver it returns an error (the mechanisms that do not
 //! call the driver never see simulated work complete).
@@ -35,6 +40,7 @@ enum Mech {
     HostFn,
     EventPoller,
     FlagPoller,
+    BlockingEvent,
 }
 
 impl Mech {
@@ -43,6 +49,7 @@ impl Mech {
             Mech::HostFn => "hostfn",
             Mech::EventPoller => "event-poller",
             Mech::FlagPoller => "flag-poller",
+            Mech::BlockingEvent => "blocking-event",
         }
     }
 }
@@ -147,6 +154,33 @@ fn poller_loop(p: &Poller, d: &dyn Driver, base: Instant, free_events: &Mutex<Ve
     }
 }
 
+/// The `blocking-event` waiter: blocks in `cuEventSynchronize` on each pending event in turn
+/// (the events are made with `CU_EVENT_BLOCKING_SYNC`: the thread sleeps until the driver wakes
+/// it); parks on the condition variable when nothing is pending.
+fn waiter_loop(p: &Poller, d: &dyn Driver, base: Instant, free_events: &Mutex<Vec<Event>>) {
+    loop {
+        let next = {
+            let mut q = p.queue.lock().unwrap();
+            loop {
+                if !q.is_empty() {
+                    break Some(q.remove(0));
+                }
+                if p.stop.load(Ordering::Acquire) {
+                    break None;
+                }
+                q = p.cv.wait_timeout(q, Duration::from_millis(5)).unwrap().0;
+            }
+        };
+        let Some(Pending::Event(e, w)) = next else {
+            return;
+        };
+        // SAFETY: the event is live: it returns to the free list only here.
+        let _ = unsafe { d.event_synchronize(e) };
+        w.wake(base);
+        free_events.lock().unwrap().push(e);
+    }
+}
+
 fn cpu_seconds() -> f64 {
     // utime + stime of this process, in clock ticks (100 per second on Linux).
     let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
@@ -190,10 +224,15 @@ fn enqueue_completion(
             // SAFETY: live stream, not capturing; the host function only wakes.
             unsafe { d.launch_host_func(s, Box::new(move || w.wake(base)))? };
         }
-        Mech::EventPoller => {
+        Mech::EventPoller | Mech::BlockingEvent => {
+            let flags = if m == Mech::BlockingEvent {
+                driver::event_flags::DISABLE_TIMING | driver::event_flags::BLOCKING_SYNC
+            } else {
+                driver::event_flags::DISABLE_TIMING
+            };
             let e = match free_events.lock().unwrap().pop() {
                 Some(e) => e,
-                None => d.event_create(driver::event_flags::DISABLE_TIMING)?,
+                None => d.event_create(flags)?,
             };
             // SAFETY: live event (owned by the free list / poller) and stream.
             unsafe { d.event_record(e, s)? };
@@ -220,7 +259,14 @@ struct Cell {
     cpu_us_per: f64,
 }
 
-fn run_cell(su: &Setup, m: Mech, threads: usize, lanes: &mut [Lane], samples: usize) -> Res<Cell> {
+fn run_cell(
+    su: &Setup,
+    m: Mech,
+    threads: usize,
+    lanes: &mut [Lane],
+    samples: usize,
+    idle: Duration,
+) -> Res<Cell> {
     let free_events = Mutex::new(Vec::new());
     let poller = Poller {
         queue: Mutex::new(Vec::new()),
@@ -234,7 +280,11 @@ fn run_cell(su: &Setup, m: Mech, threads: usize, lanes: &mut [Lane], samples: us
             sc.spawn(move || {
                 // SAFETY: the context is live for the whole program.
                 let _ = unsafe { d.ctx_set_current(ctx) };
-                poller_loop(p, &*d, su.base, fe)
+                if m == Mech::BlockingEvent {
+                    waiter_loop(p, &*d, su.base, fe)
+                } else {
+                    poller_loop(p, &*d, su.base, fe)
+                }
             });
         }
         // Latency: each thread holds its stream on its go word, enqueues a completion, releases.
@@ -270,7 +320,7 @@ fn run_cell(su: &Setup, m: Mech, threads: usize, lanes: &mut [Lane], samples: us
                                 lane.seq[0],
                                 w.clone(),
                             )?;
-                            std::thread::sleep(Duration::from_micros(50));
+                            std::thread::sleep(idle);
                             let t0 = su.base.elapsed().as_nanos() as u64;
                             go.store(k, Ordering::Release);
                             while !w.done.load(Ordering::Acquire) {
@@ -374,6 +424,17 @@ fn main() -> Res<()> {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
+    let idles: Vec<u64> = match args.iter().position(|a| a == "--idle-us") {
+        Some(i) => args
+            .get(i + 1)
+            .map(|v| v.split(',').map(|x| x.trim().parse::<u64>()).collect())
+            .unwrap_or(Ok(Vec::new()))
+            .map_err(|e| format!("--idle-us takes a comma-separated list of microseconds: {e}"))?,
+        None => vec![50],
+    };
+    if idles.is_empty() {
+        return Err("--idle-us takes a comma-separated list of microseconds".into());
+    }
     let (d, _) = driver::load(Choice::Cuda)
         .map_err(|e| format!("completion_mechanisms needs an NVIDIA GPU: {e}"))?;
     let dev = d.device_get(0)?;
@@ -420,67 +481,80 @@ fn main() -> Res<()> {
     }
     let device = d.device_name(dev)?;
     println!("completion mechanisms on {device}: {reps} interleaved repeats");
-    let mechs = [Mech::HostFn, Mech::EventPoller, Mech::FlagPoller];
+    let mechs = [
+        Mech::HostFn,
+        Mech::EventPoller,
+        Mech::FlagPoller,
+        Mech::BlockingEvent,
+    ];
     type Series = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
-    let mut agg: BTreeMap<(usize, Mech), Series> = BTreeMap::new();
+    let mut agg: BTreeMap<(u64, usize, Mech), Series> = BTreeMap::new();
     for rep in 0..reps {
-        for &threads in &[1usize, 16] {
-            for &m in &mechs {
-                let c0 = cpu_seconds();
-                let mut cell = run_cell(&su, m, threads, &mut lanes, 300)?;
-                let cpu = cpu_seconds() - c0;
-                let done = cell.per_s * 0.4 + (300 * threads) as f64;
-                cell.cpu_us_per = cpu * 1e6 / done.max(1.0);
-                let (p50, p99) = (pct(&mut cell.lat_ns, 0.5), pct(&mut cell.lat_ns, 0.99));
-                if json {
-                    println!(
-                        "{}",
-                        serde_json::json!({"rep": rep, "mechanism": m.name(), "threads": threads,
-                            "latency_p50_ns": p50, "latency_p99_ns": p99,
-                            "completions_per_s": cell.per_s, "cpu_us_per_completion": cell.cpu_us_per})
-                    );
+        for &idle_us in &idles {
+            for &threads in &[1usize, 16] {
+                for &m in &mechs {
+                    // About two seconds of latency samples per cell, at most 300.
+                    let samples = (2_000_000 / idle_us.max(1)).clamp(20, 300) as usize;
+                    let c0 = cpu_seconds();
+                    let idle = Duration::from_micros(idle_us);
+                    let mut cell = run_cell(&su, m, threads, &mut lanes, samples, idle)?;
+                    let cpu = cpu_seconds() - c0;
+                    let done = cell.per_s * 0.4 + (samples * threads) as f64;
+                    cell.cpu_us_per = cpu * 1e6 / done.max(1.0);
+                    let (p50, p99) = (pct(&mut cell.lat_ns, 0.5), pct(&mut cell.lat_ns, 0.99));
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({"rep": rep, "mechanism": m.name(), "threads": threads,
+                                "idle_us": idle_us, "latency_p50_ns": p50, "latency_p99_ns": p99,
+                                "completions_per_s": cell.per_s,
+                                "cpu_us_per_completion": cell.cpu_us_per})
+                        );
+                    }
+                    let e = agg.entry((idle_us, threads, m)).or_default();
+                    e.0.push(p50 as f64);
+                    e.1.push(p99 as f64);
+                    e.2.push(cell.per_s);
+                    e.3.push(cell.cpu_us_per);
                 }
-                let e = agg.entry((threads, m)).or_default();
-                e.0.push(p50 as f64);
-                e.1.push(p99 as f64);
-                e.2.push(cell.per_s);
-                e.3.push(cell.cpu_us_per);
             }
         }
     }
-    println!("| threads | mechanism | latency p50 (µs) | latency p99 (µs) | completions/s | CPU µs per completion | extra threads |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for ((threads, m), (a, b, c, e)) in agg.iter_mut() {
+    println!("| idle before release (µs) | threads | mechanism | latency p50 (µs) | latency p99 (µs) | completions/s | CPU µs per completion | extra threads |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for ((idle_us, threads, m), (a, b, c, e)) in agg.iter_mut() {
         println!(
-            "| {threads} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {} |",
+            "| {idle_us} | {threads} | {} | {:.1} | {:.1} | {:.0} | {:.2} | {} |",
             m.name(),
             median(a) / 1e3,
             median(b) / 1e3,
             median(c),
             median(e),
-            if *m == Mech::HostFn {
-                "0 (driver's)"
-            } else {
-                "1 poller"
+            match m {
+                Mech::HostFn => "0 (driver's)",
+                Mech::BlockingEvent => "1 waiter",
+                _ => "1 poller",
             }
         );
     }
     // Ratios within the run (medians): throughput and p50 latency against hostfn.
-    for threads in [1usize, 16] {
-        let base = agg
-            .get(&(threads, Mech::HostFn))
-            .map(|x| (x.0.clone(), x.2.clone()));
-        if let Some((mut l0, mut t0)) = base {
-            let (l0, t0) = (median(&mut l0), median(&mut t0));
-            for m in [Mech::EventPoller, Mech::FlagPoller] {
-                if let Some(x) = agg.get(&(threads, m)) {
-                    let (mut l, mut t) = (x.0.clone(), x.2.clone());
-                    println!(
-                        "{threads} threads: {} / hostfn: latency {:.2}x, throughput {:.2}x",
-                        m.name(),
-                        median(&mut l) / l0,
-                        median(&mut t) / t0
-                    );
+    for &idle_us in &idles {
+        for threads in [1usize, 16] {
+            let base = agg
+                .get(&(idle_us, threads, Mech::HostFn))
+                .map(|x| (x.0.clone(), x.2.clone()));
+            if let Some((mut l0, mut t0)) = base {
+                let (l0, t0) = (median(&mut l0), median(&mut t0));
+                for m in [Mech::EventPoller, Mech::FlagPoller, Mech::BlockingEvent] {
+                    if let Some(x) = agg.get(&(idle_us, threads, m)) {
+                        let (mut l, mut t) = (x.0.clone(), x.2.clone());
+                        println!(
+                            "idle {idle_us} µs, {threads} threads: {} / hostfn: latency {:.2}x, throughput {:.2}x",
+                            m.name(),
+                            median(&mut l) / l0,
+                            median(&mut t) / t0
+                        );
+                    }
                 }
             }
         }

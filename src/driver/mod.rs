@@ -122,6 +122,9 @@ pub mod event_flags {
     pub const DEFAULT: u32 = 0;
     /// `CU_EVENT_DISABLE_TIMING`: cheaper, for ordering only.
     pub const DISABLE_TIMING: u32 = 2;
+    /// `CU_EVENT_BLOCKING_SYNC`: `cuEventSynchronize` on it blocks the thread (the driver wakes
+    /// it) instead of spinning.
+    pub const BLOCKING_SYNC: u32 = 1;
 }
 
 /// `cuMemHostAlloc` flags.
