@@ -281,10 +281,23 @@ const PROBE_EVERY: Duration = Duration::from_millis(5);
 /// this long get a doorbell.
 const HOT: Duration = Duration::from_micros(50);
 
-/// The longest sleep between two sweeps over entries without a doorbell: the poller sleeps an
-/// eighth of the time since the last landing, from 50 µs up to this (so a completion's latency
-/// grows by at most about an eighth of its own duration, and a long one costs ~1,000 sweeps/s).
+/// The longest nap between two sweeps (see [`nap`]): a long-pending completion costs ~1,000
+/// sweeps/s (no driver call; the health probe aside).
 const MAX_SLEEP: Duration = Duration::from_millis(1);
+
+/// The shortest nap between two sweeps once the poller has cooled down.
+const MIN_NAP: Duration = Duration::from_micros(20);
+
+/// How long the poller naps between two sweeps, `since` after it last had reason to read without
+/// pause: a 32nd of that, from [`MIN_NAP`] to [`MAX_SLEEP`]. A completion that lands after `t`
+/// is seen about `t / 64` later on average (≤ `t / 32`) where no doorbell rings first, for
+/// ~30 sweeps in its first 0.6 ms and ~22 per doubling of its age after that. (A doorbell
+/// ends the nap at once: after a long idle the driver's host-function thread is slower than the
+/// nap of a young completion, faster than that of an old one; measured in BENCHMARKS.md, "The
+/// quiet poller on a GPU".)
+fn nap(since: Duration) -> Duration {
+    (since / 32).clamp(MIN_NAP, MAX_SLEEP)
+}
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -553,11 +566,10 @@ impl Hub {
     }
 
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
-    /// ones. After a landing or a new entry it reads them without pause for [`HOT`] (spinning,
-    /// then yielding); then it parks until a doorbell rings if the one pending entry has one
-    /// that has not rung, else it naps between sweeps (parked with a timeout: an eighth of the
-    /// time since the last landing, 50 µs to [`MAX_SLEEP`]; a doorbell or the teardown's stop
-    /// ends the nap early); it parks while nothing is pending. A parked poller
+    /// ones. After a landing, a new entry or a doorbell it reads them without pause for [`HOT`]
+    /// (spinning, then yielding); then it naps between sweeps (parked with a timeout, see
+    /// [`nap`]; a doorbell, a new entry or the teardown's stop ends the nap early); it parks
+    /// while nothing is pending. A parked poller
     /// wakes every [`PROBE_EVERY`] to ask after the context's health. Returns the entries still
     /// pending (or landed but not finished) when stopped.
     ///
@@ -675,13 +687,13 @@ impl Hub {
             // were enqueued on the one doorbell stream, so a second entry's could wait behind
             // the first's work while its own has completed. Every earlier doorbell belongs to
             // an entry that has landed (its event completed), so nothing holds this one's.
+            let nap = nap(hot_since.elapsed());
             if mine.len() == 1 && mine[0].waits_for_bell() {
-                if self.park_for_bell(&mine) {
+                if self.park_for_bell(&mine, nap) {
                     hot_since = Instant::now();
                     spins = 0;
                 }
             } else {
-                let nap = (last.elapsed() / 8).clamp(Duration::from_micros(50), MAX_SLEEP);
                 // Parked, not asleep: the teardown's stop ends the nap (as a doorbell does, which
                 // only makes the next sweep earlier), so a context's drop does not wait for it.
                 crate::sync::park_timeout(nap);
@@ -690,10 +702,11 @@ impl Hub {
     }
 
     /// Parks the poller until a doorbell rings, an entry arrives, another doorbell is being
-    /// made, the teardown stops it, or [`MAX_SLEEP`] has passed (a doorbell may wait behind
-    /// another host function; the health probe). `mine` is one entry that waits for its
-    /// doorbell. Returns whether it was woken (not timed out).
-    fn park_for_bell(&self, mine: &[Arc<Entry>]) -> bool {
+    /// made, the teardown stops it, or `nap` has passed (the next sweep of the flags, which may
+    /// see the entry land before its doorbell rings; a doorbell may wait behind another host
+    /// function; the health probe). `mine` is one entry that waits for its doorbell. Returns
+    /// whether it was woken (not timed out).
+    fn park_for_bell(&self, mine: &[Arc<Entry>], nap: Duration) -> bool {
         let rings = self.bell.rings.load(Ordering::SeqCst);
         {
             let mut st = lock(&self.state);
@@ -705,10 +718,10 @@ impl Hub {
         // A doorbell that rang between the caller's check and the count read above: its
         // unpark left a token (the park returns at once), or its entry is seen rung here.
         if mine.iter().all(|e| e.waits_for_bell()) {
-            // At most as long as the longest sleep between sweeps: all host functions of a
-            // context run on one driver thread, so a doorbell can wait behind someone else's
-            // long host function, and the flag is read then all the same.
-            crate::sync::park_timeout(MAX_SLEEP);
+            // At most a nap: a young entry's flag is read sooner than a doorbell would ring
+            // after a long idle, and all host functions of a context run on one driver thread,
+            // so a doorbell can wait behind someone else's long host function.
+            crate::sync::park_timeout(nap);
         }
         lock(&self.state).bell_parked = None;
         self.bell.rings.load(Ordering::SeqCst) != rings
