@@ -1429,15 +1429,17 @@ impl Pool {
     fn take_from(&self, driver: &dyn Driver, index: usize) -> Option<(Arc<Slot>, u64)> {
         let mut list = self.shard(index);
         for i in 0..list.len() {
-            let slot = list[i].clone();
+            // Borrowed from the list (no reference count touched on the hot path); removed
+            // from it below, under the shard's lock still.
+            let slot = &list[i];
             let mut st = slot.lock();
-            if !is_idle(driver, &slot, &st) && !finish_wake_up(driver, &slot, &st) {
+            if !is_idle(driver, slot, &st) && !finish_wake_up(driver, slot, &st) {
                 continue;
             }
             slot.armed.store(UNARMED, Ordering::Release);
             let gen = st.hand_over();
             drop(st);
-            list.remove(i);
+            let slot = list.remove(i);
             self.retired.fetch_sub(1, Ordering::AcqRel);
             return Some((slot, gen));
         }
