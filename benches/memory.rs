@@ -1,5 +1,8 @@
 //! Alloc + free of 4 KiB through `DeviceBuffer` against raw `cuMemAllocAsync` +
-//! `cuMemFreeAsync` on the same stream, in the same run.
+//! `cuMemFreeAsync` on the same stream, in the same run, and against `raw_relaxed`: the same two
+//! calls each inside its own relaxed capture-mode pair (`cuThreadExchangeStreamCaptureMode`
+//! before and after), the floor of a design that never invalidates another thread's global-mode
+//! capture (docs/gpu.md): what `DeviceBuffer` costs beyond that rule is its own.
 //!
 //! The two variants run interleaved in chunks of 256 iterations (each benchmark times its own
 //! chunks and runs the other's untimed in between, then synchronizes the stream), so that drift
@@ -12,8 +15,8 @@
 mod common;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use cuda_stream_pool::driver::{Driver, Stream};
-use cuda_stream_pool::{Context, DeviceBuffer, StreamRef};
+use cuda_stream_pool::driver::{CaptureMode, Driver, Stream};
+use cuda_stream_pool::{CaptureModeGuard, Context, DeviceBuffer, StreamRef};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -23,6 +26,18 @@ fn raw(d: &dyn Driver, s: Stream) {
     // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
     unsafe {
         let p = d.mem_alloc_async(4096, s).unwrap();
+        d.mem_free_async(black_box(p), s).unwrap();
+    }
+}
+
+fn raw_relaxed(d: &dyn Driver, s: Stream) {
+    // SAFETY: a raw driver scenario: every handle below is made here and used only while live.
+    unsafe {
+        let p = {
+            let _relaxed = CaptureModeGuard::new(d, CaptureMode::Relaxed).unwrap();
+            d.mem_alloc_async(4096, s).unwrap()
+        };
+        let _relaxed = CaptureModeGuard::new(d, CaptureMode::Relaxed).unwrap();
         d.mem_free_async(black_box(p), s).unwrap();
     }
 }
@@ -62,10 +77,14 @@ fn benches(c: &mut Criterion) {
         let r = s.raw();
         let sync = || d.stream_synchronize(r).unwrap();
         let run_raw = || raw(&*d, r);
+        let run_relaxed = || raw_relaxed(&*d, r);
         let run_buf = || buffer(&s);
         let mut g = c.benchmark_group("alloc_free_4KiB");
         g.bench_function("raw", |b| {
             b.iter_custom(|iters| interleaved(iters, &sync, &run_raw, &run_buf))
+        });
+        g.bench_function("raw_relaxed", |b| {
+            b.iter_custom(|iters| interleaved(iters, &sync, &run_relaxed, &run_buf))
         });
         g.bench_function("device_buffer", |b| {
             b.iter_custom(|iters| interleaved(iters, &sync, &run_buf, &run_raw))
