@@ -318,7 +318,8 @@ type KeptHost = (Arc<Slot>, u64, Box<dyn std::any::Any + Send>);
 
 /// What became of a lent stream whose holder is gone.
 enum LoanEnd {
-    /// The other crate holds no handle of it any more and it is not capturing: usable again.
+    /// The other crate holds no handle of it any more and it is not capturing (or only a
+    /// capture of the crate's own flags it: see [`CtxInner::end_loan`]): back to the pool.
     Returned,
     /// A handle of it is still out: kept aside, retried by later flushes.
     Out,
@@ -1626,6 +1627,8 @@ impl CtxInner {
     /// Ends the loan of a stream whose holder is gone, if the other crate holds none of its
     /// handles any more. A stream left capturing by the other crate is never used again (nor
     /// destroyed: ending or destroying it could invalidate streams joined to that capture).
+    /// A stream still flagged capturing by a capture guard of the crate's own (a leaked guard,
+    /// or one whose end failed) is `Returned`: it goes where such a stream goes without a loan.
     fn end_loan(&self, slot: &Slot, driver_ok: bool) -> (LoanEnd, Option<Loan>) {
         if !driver_ok {
             // (On a host-function thread the capture check below is not possible: kept.)
@@ -1634,6 +1637,18 @@ impl CtxInner {
         let Some(handle) = slot.loan_returned() else {
             return (LoanEnd::Out, None);
         };
+        if slot.is_capturing() {
+            // The crate's own capture flag: nobody ends that capture any more (its guard is
+            // leaked, or its end failed), and the flag is cleared only by the guard. The loan is
+            // over (no handle is out), and the stream is retired as a never-lent one is: the
+            // pool's lists never count a flagged stream idle, so it is never handed out, queried
+            // or destroyed, and it shows in `retired_busy`, no longer in `in_use`, keeping its
+            // place under the cap (see `CaptureGuard`). The driver, asked, would report this
+            // capture too, but `Stuck` (in no list, still counted in use) is for a capture the
+            // borrower left, which no flag of the crate's covers.
+            slot.loan_settled();
+            return (LoanEnd::Returned, handle);
+        }
         if self.fault(false).is_some() {
             // A dead context's stream is never used again (no query can tell its capture).
             return (LoanEnd::Stuck, handle);

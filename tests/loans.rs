@@ -418,3 +418,109 @@ fn teardown_keeps_the_primary_context_retained_while_a_loan_is_out() {
          borrower still holds a handle of its stream"
     );
 }
+
+/// Whether `raw` is alive and still captured by the capture a leaked guard began (never ended,
+/// invalidated or destroyed by the crate).
+fn still_capturing(sim: &SimDriver, raw: Stream) -> bool {
+    // SAFETY: asked only of a stream that exists (checked first); `cuStreamIsCapturing` is
+    // allowed in every capture mode and invalidates nothing.
+    sim.stream_exists(raw) && unsafe { sim.stream_is_capturing(raw) } == Ok(CaptureStatus::Active)
+}
+
+// Regression: proptest seed 14 finding (tests/findings: a leaked capture guard's stream whose
+// loan had ended stayed counted in `in_use`, in no list, after its owner's drop, where a stream
+// never lent is retired busy)
+#[test]
+fn a_leaked_capture_of_a_stream_lent_before_is_counted_as_a_never_lent_ones_is() {
+    let _serial = serial();
+    let (sim, ctx) = setup();
+    let before = ctx.stats();
+    // A stream never lent, left capturing by a leaked guard when its owner is dropped: retired,
+    // busy for good (never handed out, never destroyed).
+    let a = ctx.owner();
+    let never_lent = {
+        let s = a.stream().unwrap();
+        std::mem::forget(s.begin_capture().unwrap());
+        s.raw()
+    };
+    drop(a);
+    let st = ctx.stats();
+    assert_eq!(
+        (st.live, st.in_use, st.retired_busy, st.lent),
+        (1, before.in_use, 1, 0),
+        "{st:?}"
+    );
+    // The same leak on a stream lent earlier, whose loan ended before the capture began.
+    let b = ctx.owner();
+    let lent_before = {
+        let s = b.stream().unwrap();
+        drop(lend(&s)); // the loan ends: the borrower holds no handle any more
+        std::mem::forget(s.begin_capture().unwrap());
+        s.raw()
+    };
+    assert_ne!(lent_before, never_lent, "a capturing stream was handed out");
+    drop(b);
+    let st = ctx.stats();
+    assert_eq!(
+        (st.live, st.in_use, st.retired_busy, st.lent),
+        (2, before.in_use, 2, 0),
+        "the leaked capture's stream lent before is not counted as the never-lent one: {st:?}"
+    );
+    assert_eq!(st.live, st.in_use + st.idle + st.retired_busy + st.handed);
+    // Neither is handed to a new owner, nor destroyed or touched by a trim.
+    ctx.trim().unwrap();
+    let c = ctx.owner();
+    let got = c.stream().unwrap().raw();
+    assert!(
+        got != never_lent && got != lent_before,
+        "a stream captured by a leaked guard was handed to a new owner"
+    );
+    drop(c);
+    for raw in [never_lent, lent_before] {
+        assert!(
+            still_capturing(&sim, raw),
+            "the leaked guard's capture of {raw:?} was ended or its stream destroyed"
+        );
+    }
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
+// Regression: proptest seed 14 finding (the same leak on a stream whose loan is still out when
+// its owner is dropped: parked, then, once the loan ends, it stayed counted in `in_use`)
+#[test]
+fn a_leaked_capture_of_a_stream_whose_loan_ends_after_its_owner_is_retired_busy() {
+    let _serial = serial();
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let (h, raw) = {
+        let s = o.stream().unwrap();
+        let h = lend(&s);
+        std::mem::forget(s.begin_capture().unwrap());
+        (h, s.raw())
+    };
+    drop(o);
+    // Parked while the borrower holds its handle: lent, in use.
+    let st = ctx.stats();
+    assert_eq!((st.live, st.in_use, st.lent), (1, 1, 1), "{st:?}");
+    drop(h);
+    // A flush finds the loan ended: the stream goes where a never-lent one goes.
+    ctx.trim().unwrap();
+    let st = ctx.stats();
+    assert_eq!(
+        (st.live, st.in_use, st.retired_busy, st.lent),
+        (1, 0, 1, 0),
+        "{st:?}"
+    );
+    let n = ctx.owner();
+    assert_ne!(
+        n.stream().unwrap().raw(),
+        raw,
+        "a stream captured by a leaked guard was handed to a new owner"
+    );
+    drop(n);
+    assert!(
+        still_capturing(&sim, raw),
+        "the leaked guard's capture was ended or its stream destroyed"
+    );
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
