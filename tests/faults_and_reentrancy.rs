@@ -480,11 +480,25 @@ fn held_a_dead_contexts_lingering_teardown_is_not_retried_by_every_flush_of_othe
     common::finishes("the dead context's teardown", move || drop(dead));
     drop(h); // the borrower returns the stream
     let failing = || sim.calls().iter().filter(|c| !c.ok).count();
-    // One healthy flush may tear the dead state down again (once).
-    drop(healthy.owner().stream().map(|_| ()));
-    {
+    // The healthy context's flushes tear the dead state down again, a bounded number of times.
+    // The list of lingering teardowns is the process's: a flush on another thread (another
+    // test's) may take this one and tear it down, so its last calls can come after this
+    // thread's flushes; wait until the retain is released (regression: this test failed under
+    // load, on CI's 2 cores with busy loops and on a 16-core GPU machine, when it expected two
+    // flushes of its own to finish the teardown). A 60 s bound reports a hang only: a teardown
+    // retried for ever never releases the retain.
+    let hang = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut flushes = 0u32;
+    while sim.counters().live_contexts != 1 {
+        assert!(
+            std::time::Instant::now() < hang,
+            "a hang: the dead context's lingering teardown never finished ({flushes} flushes)"
+        );
         let o = healthy.owner();
         o.stream().unwrap();
+        drop(o);
+        flushes += 1;
+        std::thread::yield_now();
     }
     sim.clear_calls();
     for _ in 0..20 {
