@@ -9,6 +9,10 @@
 //! * `blocking-event`: `cuEventRecord` of an event made with `CU_EVENT_BLOCKING_SYNC`, and one
 //!   waiter thread that blocks in `cuEventSynchronize` on the pending events in order (the driver
 //!   wakes it: no polling; a later completion waits behind an earlier one).
+//! * `bell-event` and `bell-value`: the completion poller's doorbell, two ways: a host function
+//!   that only wakes, on a second stream (the doorbell stream) that waits first for an event
+//!   recorded on the work's stream (`cuStreamWaitEvent`), or for a word that the work's stream
+//!   writes (`cuStreamWriteValue64` there, `cuStreamWaitValue32` on its low half here).
 //!
 //! For each mechanism, at 1 and 16 threads: the completion latency (the host releases a stream
 //! held by `cuStreamWaitValue32` -> the waker is called; includes the GPU noticing the host
@@ -41,6 +45,8 @@ enum Mech {
     EventPoller,
     FlagPoller,
     BlockingEvent,
+    BellEvent,
+    BellValue,
 }
 
 impl Mech {
@@ -50,6 +56,8 @@ impl Mech {
             Mech::EventPoller => "event-poller",
             Mech::FlagPoller => "flag-poller",
             Mech::BlockingEvent => "blocking-event",
+            Mech::BellEvent => "bell-event",
+            Mech::BellValue => "bell-value",
         }
     }
 }
@@ -191,6 +199,8 @@ fn cpu_seconds() -> f64 {
 }
 
 struct Setup {
+    /// The doorbell stream of the `bell-*` mechanisms.
+    bell: Stream,
     d: Arc<dyn Driver>,
     ctx: driver::Context,
     slab: Slab,
@@ -239,6 +249,38 @@ fn enqueue_completion(
             poller.queue.lock().unwrap().push(Pending::Event(e, w));
             poller.cv.notify_one();
         }
+        Mech::BellEvent => {
+            let e = match free_events.lock().unwrap().pop() {
+                Some(e) => e,
+                None => d.event_create(driver::event_flags::DISABLE_TIMING)?,
+            };
+            let base = su.base;
+            // SAFETY: live event, streams; the host function only wakes. The event is reused
+            // only after the host function ran (the doorbell stream has passed the wait).
+            unsafe {
+                d.event_record(e, s)?;
+                d.stream_wait_event(su.bell, e)?;
+                d.launch_host_func(
+                    su.bell,
+                    Box::new(move || {
+                        w.wake(base);
+                    }),
+                )?;
+            }
+            free_events.lock().unwrap().push(e);
+        }
+        Mech::BellValue => {
+            let base = su.base;
+            let addr = DevicePtr(su.slab.dev + slot as u64 * 8);
+            // SAFETY: live streams; the slot lies in the slab, which outlives the work; the
+            // work's stream writes the value the doorbell stream waits for (the low half of the
+            // 64-bit sequence number: little-endian, below 2^32 here).
+            unsafe {
+                d.stream_write_value64(s, addr, seq)?;
+                d.stream_wait_value32(su.bell, addr, seq as u32, WaitValue::Geq)?;
+                d.launch_host_func(su.bell, Box::new(move || w.wake(base)))?;
+            }
+        }
         Mech::FlagPoller => {
             // SAFETY: live stream; the slot lies in the slab, which outlives the work.
             unsafe { d.stream_write_value64(s, DevicePtr(su.slab.dev + slot as u64 * 8), seq)? };
@@ -275,7 +317,7 @@ fn run_cell(
         flags: su.slab.host,
     };
     std::thread::scope(|sc| -> Res<Cell> {
-        if m != Mech::HostFn {
+        if !matches!(m, Mech::HostFn | Mech::BellEvent | Mech::BellValue) {
             let (p, fe, d, ctx) = (&poller, &free_events, su.d.clone(), su.ctx);
             sc.spawn(move || {
                 // SAFETY: the context is live for the whole program.
@@ -453,6 +495,7 @@ fn main() -> Res<()> {
     // SAFETY: the allocation is `slots * 8` bytes.
     unsafe { std::ptr::write_bytes(host, 0, slots * 8) };
     let su = Setup {
+        bell: d.stream_create(driver::stream_flags::NON_BLOCKING, 0)?,
         d: d.clone(),
         ctx,
         slab: Slab {
@@ -486,6 +529,8 @@ fn main() -> Res<()> {
         Mech::EventPoller,
         Mech::FlagPoller,
         Mech::BlockingEvent,
+        Mech::BellEvent,
+        Mech::BellValue,
     ];
     type Series = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
     let mut agg: BTreeMap<(u64, usize, Mech), Series> = BTreeMap::new();
@@ -531,7 +576,7 @@ fn main() -> Res<()> {
             median(c),
             median(e),
             match m {
-                Mech::HostFn => "0 (driver's)",
+                Mech::HostFn | Mech::BellEvent | Mech::BellValue => "0 (driver's)",
                 Mech::BlockingEvent => "1 waiter",
                 _ => "1 poller",
             }
@@ -545,7 +590,13 @@ fn main() -> Res<()> {
                 .map(|x| (x.0.clone(), x.2.clone()));
             if let Some((mut l0, mut t0)) = base {
                 let (l0, t0) = (median(&mut l0), median(&mut t0));
-                for m in [Mech::EventPoller, Mech::FlagPoller, Mech::BlockingEvent] {
+                for m in [
+                    Mech::EventPoller,
+                    Mech::FlagPoller,
+                    Mech::BlockingEvent,
+                    Mech::BellEvent,
+                    Mech::BellValue,
+                ] {
                     if let Some(x) = agg.get(&(idle_us, threads, m)) {
                         let (mut l, mut t) = (x.0.clone(), x.2.clone());
                         println!(
@@ -569,6 +620,7 @@ fn main() -> Res<()> {
                 d.stream_destroy(s)?;
             }
         }
+        d.stream_destroy(su.bell)?;
         d.mem_free_host(host)?;
         d.primary_ctx_release(dev)?;
     }
