@@ -18,7 +18,9 @@
 //! blocked).
 //!
 //! Prints requests/s, p50/p99 latency, OS threads of the process, peak live streams and peak
-//! device memory (from the driver's free-memory query).
+//! device memory (from the driver's free-memory query), and where a request's time goes: on the
+//! worker thread (getting the stream and enqueueing; for the blocking modes the whole request),
+//! awaiting the copy (async), and how many requests were in flight at most.
 
 use cuda_stream_pool::driver::{self, Choice, Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
@@ -60,9 +62,37 @@ fn check(v: &[u32], i: u32) -> Res<()> {
     Ok(())
 }
 
-async fn request_async(ctx: Context, k: Arc<Kernels>, i: u32) -> Res<()> {
+/// Where a request's time goes (sums over requests, nanoseconds), and how many were in flight
+/// (begun, not finished) at most: names the cause of a slow mode.
+#[derive(Default)]
+struct Phases {
+    /// On the worker thread: getting the stream and enqueueing (async), or the whole request
+    /// (blocking, shared: they wait on the worker).
+    enqueue_ns: AtomicU64,
+    /// Awaiting the copy's completion (async only): the GPU's work and the poller's wake-up.
+    await_ns: AtomicU64,
+    in_flight: AtomicU64,
+    peak_in_flight: AtomicU64,
+}
+
+impl Phases {
+    fn begin(&self) -> Instant {
+        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak_in_flight.fetch_max(now, Ordering::Relaxed);
+        Instant::now()
+    }
+    fn end(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+    fn add(field: &AtomicU64, since: Instant) {
+        field.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+async fn request_async(ctx: Context, k: Arc<Kernels>, i: u32, ph: Arc<Phases>) -> Res<()> {
     // Nothing here blocks the worker thread: allocation, memset, launch and the copy back are
     // enqueued, and the copy is awaited.
+    let t = ph.begin();
     let copy = {
         let s = ctx.stream()?; // the attached owner's stream
         let mut b = DeviceBuffer::<u32>::alloc(&s, LEN)?;
@@ -70,7 +100,12 @@ async fn request_async(ctx: Context, k: Arc<Kernels>, i: u32) -> Res<()> {
         k.add_u32(&s, &b, 1)?;
         b.to_vec_async(&s)?
     };
-    check(&copy.await?, i)
+    Phases::add(&ph.enqueue_ns, t);
+    let t = Instant::now();
+    let v = copy.await;
+    Phases::add(&ph.await_ns, t);
+    ph.end();
+    check(&v?, i)
 }
 
 fn request_blocking(ctx: &Context, k: &Kernels, i: u32) -> Res<()> {
@@ -122,6 +157,7 @@ pub fn run(args: &[String]) -> Res<()> {
         .enable_all()
         .build()?;
     let peak_streams = Arc::new(AtomicU64::new(0));
+    let phases = Arc::new(Phases::default());
     let peak_threads = Arc::new(AtomicU64::new(0));
     // The crate leaves the thread's current context as it found it: make it current here.
     ctx.bind()?;
@@ -154,19 +190,29 @@ pub fn run(args: &[String]) -> Res<()> {
         };
         let mut handles = Vec::with_capacity(n as usize);
         for i in 0..n {
-            let (ctx, k) = (ctx.clone(), k.clone());
+            let (ctx, k, ph) = (ctx.clone(), k.clone(), phases.clone());
             let t0 = Instant::now();
             let h = match mode.as_str() {
                 "blocking" => tokio::spawn(async move {
-                    tokio::task::spawn_blocking(move || request_blocking(&ctx, &k, i))
-                        .await
-                        .map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { e.into() })??;
+                    tokio::task::spawn_blocking(move || {
+                        let t = ph.begin();
+                        let r = request_blocking(&ctx, &k, i);
+                        Phases::add(&ph.enqueue_ns, t);
+                        ph.end();
+                        r
+                    })
+                    .await
+                    .map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { e.into() })??;
                     Ok::<u64, Box<dyn std::error::Error + Send + Sync>>(
                         t0.elapsed().as_nanos() as u64
                     )
                 }),
                 "shared" => tokio::spawn(async move {
-                    request_shared(&ctx, &k, i)?;
+                    let t = ph.begin();
+                    let r = request_shared(&ctx, &k, i);
+                    Phases::add(&ph.enqueue_ns, t);
+                    ph.end();
+                    r?;
                     Ok(t0.elapsed().as_nanos() as u64)
                 }),
                 _ => tokio::spawn(async move {
@@ -174,7 +220,7 @@ pub fn run(args: &[String]) -> Res<()> {
                     let owner = ctx.owner().ready().await?;
                     owner
                         .attach(async move {
-                            request_async(ctx, k, i).await?;
+                            request_async(ctx, k, i, ph).await?;
                             Ok(t0.elapsed().as_nanos() as u64)
                         })
                         .await
@@ -214,17 +260,24 @@ pub fn run(args: &[String]) -> Res<()> {
                 "requests_per_s": rps, "p50_us": p(0.5), "p99_us": p(0.99),
                 "peak_os_threads": peak_threads.load(Ordering::Relaxed),
                 "peak_live_streams": peak_streams.load(Ordering::Relaxed),
-                "peak_device_mib": dev_mib})
+                "peak_device_mib": dev_mib,
+                "enqueue_us_mean": phases.enqueue_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3,
+                "await_us_mean": phases.await_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3,
+                "peak_in_flight": phases.peak_in_flight.load(Ordering::Relaxed)})
         );
     } else {
         println!(
             "{mode} on {}: {n} requests verified, {rps:.0} requests/s, p50 {:.1} µs, p99 {:.1} µs, \
-             peak OS threads {}, peak live streams {}, peak device memory +{dev_mib:.1} MiB",
+             peak OS threads {}, peak live streams {}, peak device memory +{dev_mib:.1} MiB; \
+             per request {:.1} µs on the worker, {:.1} µs awaited, at most {} in flight",
             drv.kind(),
             p(0.5),
             p(0.99),
             peak_threads.load(Ordering::Relaxed),
-            peak_streams.load(Ordering::Relaxed)
+            peak_streams.load(Ordering::Relaxed),
+            phases.enqueue_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3,
+            phases.await_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3,
+            phases.peak_in_flight.load(Ordering::Relaxed)
         );
     }
     Ok(())
