@@ -1299,6 +1299,15 @@ impl Context {
         self.inner.hub.get().map(|h| h.poller_progress())
     }
 
+    /// Whether the completion poller is cold: the next completion gets a doorbell (`true`
+    /// before the context's first completion). Not part of the API: for the crate's model
+    /// tests (feature `model-hooks`).
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_poller_cold(&self) -> bool {
+        self.inner.hub.get().is_none_or(|h| h.poller_cold())
+    }
+
     pub(crate) fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }

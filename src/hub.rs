@@ -193,6 +193,9 @@ struct HubState {
     incoming: Vec<Arc<Entry>>,
     /// Whether the poller is parked (waiting for `incoming`).
     parked: bool,
+    /// Whether the poller naps with nothing pending before it goes cold (see [`COLD_AFTER`]):
+    /// a new entry unparks it.
+    napping: bool,
     /// Whether the poller is parked waiting for a doorbell (the one pending entry has one that
     /// has not rung), and the bell's count of rings when it parked.
     bell_parked: Option<u64>,
@@ -232,8 +235,8 @@ pub(crate) struct Hub {
     bell: Arc<Bell>,
     /// The doorbell stream and the events that order it after completions' writes.
     bells: Mutex<Bells>,
-    /// Whether the poller is cold (no flag landed for [`HOT`]): new completions then get a
-    /// doorbell, so that the poller can park instead of reading their flags.
+    /// Whether the poller is cold (it had nothing to read for [`COLD_AFTER`]): new completions
+    /// then get a doorbell, so that the poller can park instead of reading their flags.
     cold: AtomicBool,
 }
 
@@ -281,6 +284,13 @@ const PROBE_EVERY: Duration = Duration::from_millis(5);
 /// this long get a doorbell.
 const HOT: Duration = Duration::from_micros(50);
 
+/// How long the poller must have had no reason to read without pause (no landing, no new
+/// entry, no doorbell) before it goes cold and new completions get a doorbell. Under a steady
+/// stream of completions (a server) it stays warm: no doorbell (three driver calls, one of them
+/// a host function on the one doorbell stream that every thread's completions would share); its
+/// naps see them land. A completion made after a longer idle gets one (a long wait).
+const COLD_AFTER: Duration = Duration::from_millis(1);
+
 /// The longest nap between two sweeps (see [`nap`]): a long-pending completion costs ~1,000
 /// sweeps/s (no driver call; the health probe aside).
 const MAX_SLEEP: Duration = Duration::from_millis(1);
@@ -316,6 +326,7 @@ impl Hub {
                 next_seq: Vec::new(),
                 incoming: Vec::new(),
                 parked: false,
+                napping: false,
                 bell_parked: None,
                 making: 0,
                 running: false,
@@ -539,7 +550,7 @@ impl Hub {
             st.making -= 1;
         }
         let wake = st.parked;
-        let unpark = st.bell_parked.is_some();
+        let unpark = st.bell_parked.is_some() || st.napping;
         drop(st);
         if unpark {
             if let Some(t) = self.bell.poller.get() {
@@ -594,12 +605,25 @@ impl Hub {
                     if self.stop.load(Ordering::Acquire) {
                         return mine;
                     }
-                    self.cold.store(true, Ordering::Release);
-                    st.parked = true;
-                    st = self.cv.wait(st);
-                    st.parked = false;
-                    hot_since = Instant::now();
-                    spins = 0;
+                    let warm_for = COLD_AFTER.saturating_sub(hot_since.elapsed());
+                    if !warm_for.is_zero() {
+                        // Warm: a nap that a new entry (or the teardown's stop) ends early;
+                        // the poller goes cold after it if nothing came.
+                        st.napping = true;
+                        drop(st);
+                        crate::sync::park_timeout(warm_for);
+                        st = lock(&self.state);
+                        st.napping = false;
+                    } else {
+                        self.cold.store(true, Ordering::Release);
+                        st.parked = true;
+                        st = self.cv.wait(st);
+                        st.parked = false;
+                    }
+                    if !st.incoming.is_empty() {
+                        hot_since = Instant::now();
+                        spins = 0;
+                    }
                 }
                 if !st.incoming.is_empty() {
                     hot_since = Instant::now();
@@ -678,11 +702,14 @@ impl Hub {
                 std::hint::spin_loop();
                 continue;
             }
-            if hot_since.elapsed() < HOT {
+            let since = hot_since.elapsed();
+            if since < HOT {
                 std::thread::yield_now();
                 continue;
             }
-            self.cold.store(true, Ordering::Release);
+            if since >= COLD_AFTER {
+                self.cold.store(true, Ordering::Release);
+            }
             // Parked only for a single pending entry: the doorbells ring in the order they
             // were enqueued on the one doorbell stream, so a second entry's could wait behind
             // the first's work while its own has completed. Every earlier doorbell belongs to
@@ -741,8 +768,14 @@ impl Hub {
         let for_bell = st
             .bell_parked
             .is_some_and(|r| r == self.bell.rings.load(Ordering::SeqCst));
-        let idle = (st.parked || !started || for_bell) && st.incoming.is_empty();
+        let idle = (st.parked || st.napping || !started || for_bell) && st.incoming.is_empty();
         (self.passes.load(Ordering::SeqCst), idle)
+    }
+
+    /// Whether the poller is cold (new completions get a doorbell). For the model's tests.
+    #[cfg(feature = "model-hooks")]
+    pub(crate) fn poller_cold(&self) -> bool {
+        self.cold.load(Ordering::Acquire)
     }
 
     /// A pinned staging block of at least `bytes` bytes (the context must be current).

@@ -29,11 +29,12 @@ fn woken(c: &Counting, n: usize) {
     }
 }
 
+/// Until the poller is parked and cold (the next completion gets a doorbell).
 fn parks(ctx: &Context) {
     let t = Instant::now();
     loop {
         match ctx.model_poller_progress() {
-            Some((_, true)) => return,
+            Some((_, true)) if ctx.model_poller_cold() => return,
             _ if t.elapsed() > HANG => panic!("the poller never parked"),
             _ => std::thread::yield_now(),
         }
@@ -354,6 +355,10 @@ fn captures_of_another_thread_survive_doorbells() {
         });
         ready_rx.recv().unwrap();
         for i in 0..4 {
+            // Made cold, each (a doorbell): the poller goes cold a millisecond after the last.
+            if ctx.model_poller_progress().is_some() {
+                parks(&ctx);
+            }
             let s = if i % 2 == 0 { a.stream() } else { b.stream() }.unwrap();
             sim.enqueue_work(s.raw(), 1_000).unwrap();
             let mut f = Box::pin(s.completed().unwrap());
