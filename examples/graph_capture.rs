@@ -28,7 +28,7 @@ fn early_return(s: &StreamRef) -> Result<()> {
     ))
 }
 
-fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+pub fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let sim = std::env::args().any(|a| a == "sim");
     let (d, _) = driver::load(if sim { Choice::Sim } else { Choice::Auto })?;
     let ctx = Context::primary(d, 0)?;

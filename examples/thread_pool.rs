@@ -9,7 +9,7 @@ use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{Context, DeviceBuffer};
 use std::sync::Arc;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sim = std::env::args().any(|a| a == "sim");
     let (d, _) = driver::load(if sim { Choice::Sim } else { Choice::Auto })?;
     let ctx = Context::primary(d, 0)?;
