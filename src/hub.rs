@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::pinned::{self, Block, Home};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
@@ -238,6 +238,11 @@ pub(crate) struct Hub {
     /// Whether the poller is cold (it had nothing to read for [`COLD_AFTER`]): new completions
     /// then get a doorbell, so that the poller can park instead of reading their flags.
     cold: AtomicBool,
+    /// How many entries the poller was watching after its last sweep (a hint, read without
+    /// the state lock): a completion made while it watches none gets a doorbell even when the
+    /// poller is warm (it would otherwise be seen only by the poller's naps, up to a 32nd of its
+    /// duration late); one made while others are pending (a server's) gets none.
+    watching: AtomicUsize,
 }
 
 /// The hub's doorbell stream (made on first use, never captured, synchronized and destroyed at
@@ -345,6 +350,7 @@ impl Hub {
                 rings: AtomicU64::new(0),
             }),
             cold: AtomicBool::new(true),
+            watching: AtomicUsize::new(0),
             bells: Mutex::new(Bells::default()),
         })
     }
@@ -354,8 +360,9 @@ impl Hub {
     /// failed `write` the slot is free again (nothing was enqueued). The context must be current
     /// and relaxed (the slab's host allocation): the caller's device rules.
     ///
-    /// While the poller is cold, `write` is also given an event, to record on its stream just
-    /// before the write (it returns whether it did): the hub's doorbell stream waits for it and
+    /// While the poller is cold, or watches no other entry, `write` is also given an event, to
+    /// record on its stream just before the write (it returns whether it did): the hub's
+    /// doorbell stream waits for it and
     /// then runs a host function that rings the poller's doorbell, so that the poller can park
     /// instead of reading the flag, and the caller's stream gets no host function (which would
     /// hold its later work until the driver's host-function thread ran it). A doorbell the
@@ -365,11 +372,12 @@ impl Hub {
         write: impl FnOnce(DevicePtr, u64, Option<Event>) -> Result<bool>,
     ) -> Result<Arc<Entry>> {
         let (slot, flag, dev, seq) = self.take_slot()?;
-        let event = if self.cold.load(Ordering::Acquire) {
-            self.bell_event()
-        } else {
-            None
-        };
+        let event =
+            if self.cold.load(Ordering::Acquire) || self.watching.load(Ordering::Relaxed) == 0 {
+                self.bell_event()
+            } else {
+                None
+            };
         let recorded = match write(dev, seq, event) {
             Ok(r) => r,
             Err(e) => {
@@ -642,6 +650,7 @@ impl Hub {
                     true
                 }
             });
+            self.watching.store(mine.len(), Ordering::Relaxed);
             if !landed.is_empty() {
                 self.cold.store(false, Ordering::Release);
                 {
@@ -688,6 +697,7 @@ impl Hub {
                 // Their slots are not reused: nothing is known of the writes.
                 self.faulted.store(true, Ordering::Release);
                 let given_up = std::mem::take(&mut mine);
+                self.watching.store(0, Ordering::Relaxed);
                 for e in &given_up {
                     e.finish(Some(error.clone()));
                 }
