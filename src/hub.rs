@@ -238,11 +238,11 @@ pub(crate) struct Hub {
     /// Whether the poller is cold (it had nothing to read for [`COLD_AFTER`]): new completions
     /// then get a doorbell, so that the poller can park instead of reading their flags.
     cold: AtomicBool,
-    /// How many entries the poller was watching after its last sweep (a hint, read without
-    /// the state lock): a completion made while it watches none gets a doorbell even when the
+    /// Completions made and not yet finished by the poller (a hint for the doorbell, never for
+    /// correctness): a completion made while no other is pending gets a doorbell even when the
     /// poller is warm (it would otherwise be seen only by the poller's naps, up to a 32nd of its
     /// duration late); one made while others are pending (a server's) gets none.
-    watching: AtomicUsize,
+    pending: AtomicUsize,
 }
 
 /// The hub's doorbell stream (made on first use, never captured, synchronized and destroyed at
@@ -350,7 +350,7 @@ impl Hub {
                 rings: AtomicU64::new(0),
             }),
             cold: AtomicBool::new(true),
-            watching: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
             bells: Mutex::new(Bells::default()),
         })
     }
@@ -360,27 +360,28 @@ impl Hub {
     /// failed `write` the slot is free again (nothing was enqueued). The context must be current
     /// and relaxed (the slab's host allocation): the caller's device rules.
     ///
-    /// While the poller is cold, or watches no other entry, `write` is also given an event, to
-    /// record on its stream just before the write (it returns whether it did): the hub's
-    /// doorbell stream waits for it and
-    /// then runs a host function that rings the poller's doorbell, so that the poller can park
-    /// instead of reading the flag, and the caller's stream gets no host function (which would
-    /// hold its later work until the driver's host-function thread ran it). A doorbell the
-    /// driver refuses only means that the poller reads this entry's flag until it lands.
+    /// While the poller is cold, or no other completion is pending, `write` is also given an
+    /// event, to record on its stream just before the write (it returns whether it did): the
+    /// hub's doorbell stream waits for it and then runs a host function that rings the poller's
+    /// doorbell, so that the poller can park instead of reading the flag, and the caller's
+    /// stream gets no host function (which would hold its later work until the driver's
+    /// host-function thread ran it). A doorbell the driver refuses only means that the poller
+    /// reads this entry's flag until it lands.
     pub(crate) fn completion(
         self: &Arc<Self>,
         write: impl FnOnce(DevicePtr, u64, Option<Event>) -> Result<bool>,
     ) -> Result<Arc<Entry>> {
         let (slot, flag, dev, seq) = self.take_slot()?;
-        let event =
-            if self.cold.load(Ordering::Acquire) || self.watching.load(Ordering::Relaxed) == 0 {
-                self.bell_event()
-            } else {
-                None
-            };
+        let others = self.pending.fetch_add(1, Ordering::Relaxed);
+        let event = if self.cold.load(Ordering::Acquire) || others == 0 {
+            self.bell_event()
+        } else {
+            None
+        };
         let recorded = match write(dev, seq, event) {
             Ok(r) => r,
             Err(e) => {
+                self.pending.fetch_sub(1, Ordering::Relaxed);
                 self.give_back_slot(slot);
                 if let Some(ev) = event {
                     lock(&self.bells).events.push(ev);
@@ -650,7 +651,6 @@ impl Hub {
                     true
                 }
             });
-            self.watching.store(mine.len(), Ordering::Relaxed);
             if !landed.is_empty() {
                 self.cold.store(false, Ordering::Release);
                 {
@@ -668,6 +668,7 @@ impl Hub {
                 let freed = landed.iter().map(|e| e.slot);
                 self.completed
                     .fetch_add(landed.len() as u64, Ordering::Relaxed);
+                self.pending.fetch_sub(landed.len(), Ordering::Relaxed);
                 {
                     let mut st = lock(&self.state);
                     st.running = false;
@@ -697,7 +698,7 @@ impl Hub {
                 // Their slots are not reused: nothing is known of the writes.
                 self.faulted.store(true, Ordering::Release);
                 let given_up = std::mem::take(&mut mine);
-                self.watching.store(0, Ordering::Relaxed);
+                self.pending.fetch_sub(given_up.len(), Ordering::Relaxed);
                 for e in &given_up {
                     e.finish(Some(error.clone()));
                 }

@@ -535,7 +535,7 @@ fn a_held_completion_resolves_through_its_doorbell_on_the_gpu() {
 }
 
 /// A completion made while the poller is warm (it had something to read within the last
-/// millisecond) and watches another pending completion gets no doorbell: a steady stream of
+/// millisecond) and another completion is pending gets no doorbell: a steady stream of
 /// completions, a server's, makes none of a doorbell's three driver calls (`cuEventRecord`,
 /// `cuStreamWaitEvent`, `cuLaunchHostFunc` on the one doorbell stream that every thread's
 /// completions share). Before, every completion made while the poller had nothing pending got
@@ -546,7 +546,7 @@ fn a_held_completion_resolves_through_its_doorbell_on_the_gpu() {
 /// that saw it idle and warm before, and warm after the completion was made, checks what it
 /// got (before the change, an idle poller was always cold: no attempt ever qualified).
 #[test]
-fn a_completion_made_while_the_poller_is_warm_and_watching_another_gets_no_doorbell() {
+fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doorbell() {
     let (sim, ctx) = setup();
     let (long_owner, o) = (ctx.owner(), ctx.owner());
     // A long completion on another stream, pending throughout: the poller watches it (parked for
@@ -602,13 +602,13 @@ fn a_completion_made_while_the_poller_is_warm_and_watching_another_gets_no_doorb
     common::assert_clean(&sim);
 }
 
-/// A completion made while the poller is warm but watches nothing else gets a doorbell: a
+/// A completion made while the poller is warm but no other is pending gets a doorbell: a
 /// long completion made right after another landed is woken by it, not only by the poller's
 /// naps (a 32nd of its age late: on an H100, 355 µs p50 after 20 ms without a doorbell,
 /// 244 µs with one; BENCHMARKS.md). Regression of 87a70fc, which gave none to any completion
 /// made while warm.
 #[test]
-fn a_completion_made_while_the_poller_is_warm_and_watching_nothing_gets_a_doorbell() {
+fn a_completion_made_while_the_poller_is_warm_and_none_other_is_pending_gets_a_doorbell() {
     let (sim, ctx) = setup();
     let o = ctx.owner();
     let s = o.stream().unwrap();
