@@ -766,3 +766,81 @@ fn a_context_dropped_while_its_poller_naps_warm_is_torn_down() {
         common::assert_clean(&sim);
     }
 }
+
+/// A waker that, run by the poller, makes the next completion of a chain (with work) and polls
+/// it inline with itself: each completion is made on the poller's thread right after a landing,
+/// while the poller is warm (no doorbell) and has nothing else pending.
+struct Chain {
+    owner: std::sync::Mutex<cuda_stream_pool::Owner>,
+    sim: Arc<SimDriver>,
+    left: std::sync::atomic::AtomicUsize,
+    woken: std::sync::atomic::AtomicUsize,
+    futs: std::sync::Mutex<Vec<std::pin::Pin<Box<cuda_stream_pool::Completion>>>>,
+}
+
+impl std::task::Wake for Chain {
+    fn wake(self: Arc<Self>) {
+        self.woken.fetch_add(1, Ordering::SeqCst);
+        if self.left.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.left.store(0, Ordering::SeqCst);
+            return;
+        }
+        let o = self.owner.lock().unwrap();
+        let s = o.stream().unwrap();
+        self.sim.enqueue_work(s.raw(), 10).unwrap();
+        let mut c = Box::pin(s.completed().unwrap());
+        drop(s);
+        drop(o);
+        let w = std::task::Waker::from(self.clone());
+        if poll(c.as_mut(), &w).is_ready() {
+            w.wake_by_ref();
+        }
+        self.futs.lock().unwrap().push(c);
+    }
+}
+
+/// Review 13 (87a70fc: a waker that re-enters the crate works): a chain of completions, each
+/// made and polled by the previous one's waker on the poller's thread (the poller warm, the
+/// completion without doorbell), all resolve as the simulation advances.
+#[test]
+fn a_chain_of_completions_made_by_the_pollers_wakers_while_warm_all_resolve() {
+    let (sim, ctx) = setup();
+    const N: usize = 200;
+    let chain = Arc::new(Chain {
+        owner: std::sync::Mutex::new(ctx.owner()),
+        sim: sim.clone(),
+        left: std::sync::atomic::AtomicUsize::new(N),
+        woken: std::sync::atomic::AtomicUsize::new(0),
+        futs: std::sync::Mutex::new(Vec::new()),
+    });
+    {
+        let o = chain.owner.lock().unwrap();
+        let s = o.stream().unwrap();
+        sim.enqueue_work(s.raw(), 10).unwrap();
+        let mut c = Box::pin(s.completed().unwrap());
+        let w = std::task::Waker::from(chain.clone());
+        drop(s);
+        drop(o);
+        assert!(poll(c.as_mut(), &w).is_pending());
+        chain.futs.lock().unwrap().push(c);
+    }
+    let t = Instant::now();
+    while chain.woken.load(Ordering::SeqCst) < N + 1 {
+        assert!(
+            t.elapsed() < HANG,
+            "a hang: {} of {} completions of the chain were woken",
+            chain.woken.load(Ordering::SeqCst),
+            N + 1
+        );
+        sim.advance(10);
+        std::thread::yield_now();
+    }
+    let futs = std::mem::take(&mut *chain.futs.lock().unwrap());
+    let w = std::task::Waker::from(Arc::new(futures_util::Noop));
+    for mut f in futs {
+        assert!(matches!(poll(f.as_mut(), &w), std::task::Poll::Ready(Ok(()))));
+    }
+    drop(chain);
+    drop(ctx);
+    common::assert_clean(&sim);
+}
