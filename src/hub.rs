@@ -285,8 +285,8 @@ const PROBE_EVERY: Duration = Duration::from_millis(5);
 
 /// How long the poller reads the flags without pause after a flag landed, an entry arrived or
 /// a doorbell rang (spinning, then yielding), before it parks (a single pending entry whose
-/// doorbell has not rung) or sleeps between sweeps. Completions made while no flag landed for
-/// this long get a doorbell.
+/// doorbell has not rung) or sleeps between sweeps. (Completions get a doorbell only once the
+/// poller has gone cold: see [`COLD_AFTER`].)
 const HOT: Duration = Duration::from_micros(50);
 
 /// How long the poller must have had no reason to read without pause (no landing, no new
@@ -588,8 +588,10 @@ impl Hub {
     /// The poller: reads the flags of pending entries (no driver call), finishes the landed
     /// ones. After a landing, a new entry or a doorbell it reads them without pause for [`HOT`]
     /// (spinning, then yielding); then it naps between sweeps (parked with a timeout, see
-    /// [`nap`]; a doorbell, a new entry or the teardown's stop ends the nap early); it parks
-    /// while nothing is pending. A parked poller
+    /// [`nap`]; a doorbell or the teardown's stop ends the nap early, a new entry does not: it
+    /// is taken at the nap's end, at most [`MAX_SLEEP`] later); with nothing pending it naps
+    /// warm until [`COLD_AFTER`] (a new entry or the stop ends that nap), then parks cold
+    /// (waiting for an entry). A parked poller
     /// wakes every [`PROBE_EVERY`] to ask after the context's health. Returns the entries still
     /// pending (or landed but not finished) when stopped.
     ///
@@ -767,7 +769,8 @@ impl Hub {
 
     /// (passes, idle): the poller's passes over its pending entries so far (each reads every
     /// pending flag once and finishes, waking their wakers, the landed ones), and whether it is
-    /// parked with nothing pending. For a model that must tell "the poller has looked since
+    /// parked or napping warm with nothing pending (napping is set only then: an entry is never
+    /// left pending behind an idle report), or parked for the one pending entry's doorbell. For a model that must tell "the poller has looked since
     /// this flag landed" from "it has not run yet", without timing: two more passes than when
     /// the flag was seen to land mean a whole pass began after it.
     #[cfg(feature = "model-hooks")]
@@ -775,7 +778,8 @@ impl Hub {
         let started = lock(&self.thread).is_some();
         let st = lock(&self.state);
         // Parked for a doorbell that has not rung: only a host function (which the model
-        // watches), a new entry or doorbell, or the park's 1 ms bound can wake it.
+        // watches), a new entry or doorbell, or the park's bound (a nap, at most 1 ms) can
+        // wake it.
         let for_bell = st
             .bell_parked
             .is_some_and(|r| r == self.bell.rings.load(Ordering::SeqCst));

@@ -404,11 +404,24 @@ fn a_due_completion_is_not_left_parked_behind_another_threads_doorbell_in_the_ma
 fn a_lone_doorbell_rings_as_soon_as_its_work_completes() {
     let sim = Arc::new(SimDriver::new());
     let ctx = Context::primary(sim.clone(), 0).unwrap();
-    for _ in 0..20 {
+    for i in 0..20 {
         let a = ctx.owner();
         let sa = a.stream().unwrap();
         sim.enqueue_work(sa.raw(), 1_000).unwrap();
+        let bells = || {
+            sim.calls()
+                .iter()
+                .filter(|c| c.name == "cuLaunchHostFunc")
+                .count()
+        };
+        // Cold first (review 13: since 87a70fc the poller stays warm for a millisecond after
+        // the last landing, and a completion made then has no doorbell: most of the 20 had none).
+        if ctx.model_poller_progress().is_some() {
+            assert!(parks(&ctx), "the poller never went cold");
+        }
+        let before = bells();
         let mut done = Box::pin(sa.completed().unwrap());
+        assert_eq!(bells(), before + 1, "completion {i} has no doorbell");
         let (count, w) = waker();
         assert!(poll(done.as_mut(), &w).is_pending());
         settle(&ctx);
@@ -648,4 +661,247 @@ fn a_completion_made_while_the_poller_is_warm_and_none_other_is_pending_gets_a_d
             return;
         }
     }
+}
+
+/// Waits until the poller has taken and finished everything (idle), then says whether it is
+/// still warm (review 13: the state in which it naps with nothing pending).
+fn idle_and_warm(ctx: &Context) -> bool {
+    let t = Instant::now();
+    while !matches!(ctx.model_poller_progress(), Some((_, true))) {
+        assert!(t.elapsed() < HANG, "a hang: the poller never went idle");
+        std::thread::yield_now();
+    }
+    !ctx.model_poller_cold()
+}
+
+/// Review 13 (87a70fc, the model's notion of idle): a poller that reports itself idle while it
+/// naps warm has nothing pending. A completion made while it is warm has no doorbell, so until
+/// its waker has been called the poller must never report idle (the model would take the
+/// completion for one nothing can wake). Read in this order (idle, then the waker's count): the
+/// poller calls the waker before it naps again.
+#[test]
+fn a_warm_poller_never_reports_idle_while_a_completion_without_doorbell_is_unwoken() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    let t = Instant::now();
+    let mut checked = 0;
+    while checked < 20 {
+        assert!(
+            t.elapsed() < HANG,
+            "only {checked} completions were made while the poller was warm"
+        );
+        let first = s.completed().unwrap();
+        sim.advance(0);
+        while !first.is_complete() {
+            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
+            std::thread::yield_now();
+        }
+        if !idle_and_warm(&ctx) {
+            continue;
+        }
+        sim.enqueue_work(s.raw(), 1_000).unwrap();
+        sim.clear_calls();
+        let mut next = Box::pin(s.completed().unwrap());
+        let belled = sim.calls().iter().any(|c| c.name == "cuLaunchHostFunc");
+        let (count, w) = waker();
+        assert!(poll(next.as_mut(), &w).is_pending());
+        let mut left = 1_000u64;
+        loop {
+            let (_, idle) = ctx.model_poller_progress().unwrap();
+            let woke = count.0.load(Ordering::SeqCst);
+            if idle && !belled {
+                assert_eq!(
+                    woke, 1,
+                    "the poller reported idle with a completion without doorbell pending \
+                     and unwoken ({left} ns of its work left)"
+                );
+            }
+            if woke >= 1 {
+                break;
+            }
+            if left > 0 {
+                sim.advance(100);
+                left -= 100;
+            }
+            assert!(t.elapsed() < HANG, "a hang: the completion was never woken");
+            std::thread::yield_now();
+        }
+        assert!(matches!(
+            poll(next.as_mut(), &w),
+            std::task::Poll::Ready(Ok(()))
+        ));
+        if !belled {
+            checked += 1;
+        }
+    }
+    drop(s);
+    drop(o);
+    drop(ctx);
+    common::assert_clean(&sim);
+}
+
+/// Review 13 (87a70fc: no lost wake-up across the poller's warm nap, its going cold and its
+/// park): completions made from two threads at every point of the poller's cycle (right after a
+/// landing, while it naps warm, as it goes cold, parked cold, parked for a doorbell) all resolve
+/// once their work is done. The spin between them only varies the interleavings; the check is
+/// that each is woken (a long hang guard).
+#[test]
+fn completions_made_at_every_point_of_the_pollers_cycle_are_all_woken() {
+    let (sim, ctx) = setup();
+    std::thread::scope(|sc| {
+        for k in 0..2u64 {
+            let (sim, ctx) = (sim.clone(), ctx.clone());
+            sc.spawn(move || {
+                let o = ctx.owner();
+                let s = o.stream().unwrap();
+                for i in 0..150u64 {
+                    match (i + k) % 4 {
+                        // Parked cold with nothing pending.
+                        0 => {
+                            let t = Instant::now();
+                            while !(matches!(ctx.model_poller_progress(), Some((_, true)))
+                                && ctx.model_poller_cold())
+                            {
+                                assert!(t.elapsed() < HANG, "a hang: never cold");
+                                std::thread::yield_now();
+                            }
+                        }
+                        // Around the millisecond at which it goes cold.
+                        1 => {
+                            let d = Duration::from_micros((i * 37 + k * 11) % 1_500);
+                            let t = Instant::now();
+                            while t.elapsed() < d {
+                                std::hint::spin_loop();
+                            }
+                        }
+                        _ => {}
+                    }
+                    sim.enqueue_work(s.raw(), 10 * (i % 3)).unwrap();
+                    let mut done = Box::pin(s.completed().unwrap());
+                    let (count, w) = waker();
+                    let r = poll(done.as_mut(), &w);
+                    sim.advance(10 * (i % 3));
+                    if r.is_pending() {
+                        woken(&count, 1);
+                    }
+                    assert!(matches!(
+                        poll(done.as_mut(), &w),
+                        std::task::Poll::Ready(Ok(()))
+                    ));
+                }
+            });
+        }
+    });
+    drop(ctx);
+    common::assert_clean(&sim);
+}
+
+/// Review 13 (87a70fc: the teardown never waits for the warm nap's end, nor hangs): a context
+/// dropped while its poller naps warm (idle, nothing pending, not cold yet) or parks cold is torn
+/// down; the poller's thread is joined.
+#[test]
+fn a_context_dropped_while_its_poller_naps_warm_is_torn_down() {
+    let mut warm = 0;
+    let t = Instant::now();
+    while warm < 20 {
+        assert!(t.elapsed() < HANG, "the poller was never seen warm");
+        let (sim, ctx) = setup();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let first = s.completed().unwrap();
+        sim.advance(0);
+        while !first.is_complete() {
+            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
+            std::thread::yield_now();
+        }
+        drop(first);
+        drop(s);
+        drop(o);
+        if idle_and_warm(&ctx) {
+            warm += 1;
+        }
+        let before = common::primary_releases(&sim);
+        common::finishes("the teardown of a context whose poller naps", move || drop(ctx));
+        common::await_teardown(&sim, before);
+        common::assert_clean(&sim);
+    }
+}
+
+/// A waker that, run by the poller, makes the next completion of a chain (with work) and polls
+/// it inline with itself: each completion is made on the poller's thread right after a landing,
+/// while the poller is warm (no doorbell) and has nothing else pending.
+struct Chain {
+    owner: std::sync::Mutex<cuda_stream_pool::Owner>,
+    sim: Arc<SimDriver>,
+    left: std::sync::atomic::AtomicUsize,
+    woken: std::sync::atomic::AtomicUsize,
+    futs: std::sync::Mutex<Vec<std::pin::Pin<Box<cuda_stream_pool::Completion>>>>,
+}
+
+impl std::task::Wake for Chain {
+    fn wake(self: Arc<Self>) {
+        self.woken.fetch_add(1, Ordering::SeqCst);
+        if self.left.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.left.store(0, Ordering::SeqCst);
+            return;
+        }
+        let o = self.owner.lock().unwrap();
+        let s = o.stream().unwrap();
+        self.sim.enqueue_work(s.raw(), 10).unwrap();
+        let mut c = Box::pin(s.completed().unwrap());
+        drop(s);
+        drop(o);
+        let w = std::task::Waker::from(self.clone());
+        if poll(c.as_mut(), &w).is_ready() {
+            w.wake_by_ref();
+        }
+        self.futs.lock().unwrap().push(c);
+    }
+}
+
+/// Review 13 (87a70fc: a waker that re-enters the crate works): a chain of completions, each
+/// made and polled by the previous one's waker on the poller's thread (the poller warm, the
+/// completion without doorbell), all resolve as the simulation advances.
+#[test]
+fn a_chain_of_completions_made_by_the_pollers_wakers_while_warm_all_resolve() {
+    let (sim, ctx) = setup();
+    const N: usize = 200;
+    let chain = Arc::new(Chain {
+        owner: std::sync::Mutex::new(ctx.owner()),
+        sim: sim.clone(),
+        left: std::sync::atomic::AtomicUsize::new(N),
+        woken: std::sync::atomic::AtomicUsize::new(0),
+        futs: std::sync::Mutex::new(Vec::new()),
+    });
+    {
+        let o = chain.owner.lock().unwrap();
+        let s = o.stream().unwrap();
+        sim.enqueue_work(s.raw(), 10).unwrap();
+        let mut c = Box::pin(s.completed().unwrap());
+        let w = std::task::Waker::from(chain.clone());
+        drop(s);
+        drop(o);
+        assert!(poll(c.as_mut(), &w).is_pending());
+        chain.futs.lock().unwrap().push(c);
+    }
+    let t = Instant::now();
+    while chain.woken.load(Ordering::SeqCst) < N + 1 {
+        assert!(
+            t.elapsed() < HANG,
+            "a hang: {} of {} completions of the chain were woken",
+            chain.woken.load(Ordering::SeqCst),
+            N + 1
+        );
+        sim.advance(10);
+        std::thread::yield_now();
+    }
+    let futs = std::mem::take(&mut *chain.futs.lock().unwrap());
+    let w = std::task::Waker::from(Arc::new(futures_util::Noop));
+    for mut f in futs {
+        assert!(matches!(poll(f.as_mut(), &w), std::task::Poll::Ready(Ok(()))));
+    }
+    drop(chain);
+    drop(ctx);
+    common::assert_clean(&sim);
 }
