@@ -285,15 +285,16 @@ const PROBE_EVERY: Duration = Duration::from_millis(5);
 
 /// How long the poller reads the flags without pause after a flag landed, an entry arrived or
 /// a doorbell rang (spinning, then yielding), before it parks (a single pending entry whose
-/// doorbell has not rung) or sleeps between sweeps. (Completions get a doorbell only once the
-/// poller has gone cold: see [`COLD_AFTER`].)
+/// doorbell has not rung) or sleeps between sweeps. (Completions get a doorbell once the poller
+/// has gone cold, see [`COLD_AFTER`], or when no other is pending.)
 const HOT: Duration = Duration::from_micros(50);
 
 /// How long the poller must have had no reason to read without pause (no landing, no new
 /// entry, no doorbell) before it goes cold and new completions get a doorbell. Under a steady
-/// stream of completions (a server) it stays warm: no doorbell (three driver calls, one of them
-/// a host function on the one doorbell stream that every thread's completions would share); its
-/// naps see them land. A completion made after a longer idle gets one (a long wait).
+/// stream of completions (a server) it stays warm: no doorbell for a completion made while
+/// others are pending (three driver calls, one of them a host function on the one doorbell
+/// stream that every thread's completions would share); its naps see them land. A completion
+/// made after a longer idle, or while no other is pending, gets one (it may wait long).
 const COLD_AFTER: Duration = Duration::from_millis(1);
 
 /// The longest nap between two sweeps (see [`nap`]): a long-pending completion costs ~1,000
