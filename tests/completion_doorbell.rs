@@ -8,8 +8,8 @@
 //! teardown.
 
 use cuda_stream_pool::driver::SimDriver;
-use cuda_stream_pool::Context;
 use cuda_stream_pool::ErrorCode;
+use cuda_stream_pool::{Context, StreamRef};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -547,27 +547,26 @@ fn a_held_completion_resolves_through_its_doorbell_on_the_gpu() {
     cuda_stream_pool::release_pinned_cache(&*d).unwrap();
 }
 
-/// A completion made while the poller is warm (it had something to read within the last
-/// millisecond) and another completion is pending gets no doorbell: a steady stream of
-/// completions, a server's, makes none of a doorbell's three driver calls (`cuEventRecord`,
-/// `cuStreamWaitEvent`, `cuLaunchHostFunc` on the one doorbell stream that every thread's
-/// completions share). Before, every completion made while the poller had nothing pending got
-/// one: 98 % of the async server's on the simulation, and on an H100 its workers spent 470 µs
-/// per request against 240 µs without (BENCHMARKS.md). A completion made while nothing else is
-/// pending still gets one (`a_held_completion_resolves_through_its_doorbell_*`).
-/// The poller goes cold by time alone, so an attempt that saw it go cold is made again; one
-/// that saw it idle and warm before, and warm after the completion was made, checks what it
-/// got (before the change, an idle poller was always cold: no attempt ever qualified).
-#[test]
-fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doorbell() {
-    let (sim, ctx) = setup();
-    let (long_owner, o) = (ctx.owner(), ctx.owner());
-    // A long completion on another stream, pending throughout: the poller watches it (parked for
-    // its doorbell when nothing else is pending: idle).
-    let long_stream = long_owner.stream().unwrap();
-    sim.enqueue_work(long_stream.raw(), 1_000_000_000).unwrap();
-    let long = long_stream.completed().unwrap();
-    let s = o.stream().unwrap();
+/// Waits (a hang guard only) until `c` has resolved.
+fn resolved(c: &cuda_stream_pool::Completion) {
+    let t = Instant::now();
+    while !c.is_complete() {
+        assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
+        std::thread::yield_now();
+    }
+}
+
+/// The driver calls made by a completion of `s` that was made while the poller was idle and
+/// warm, and stayed warm until it was made. The poller goes cold by time alone, so an attempt
+/// that saw it go cold is made again; one that saw it idle and warm before, and warm after the
+/// completion was made, qualifies (nothing of `s` can land before the advance that follows, so
+/// the poller cannot have gone cold and back). Before 87a70fc an idle poller was always cold:
+/// no attempt ever qualified.
+fn calls_of_a_completion_made_warm(
+    sim: &SimDriver,
+    ctx: &Context,
+    s: &StreamRef,
+) -> Vec<&'static str> {
     let t = Instant::now();
     loop {
         assert!(
@@ -576,37 +575,44 @@ fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doo
         );
         let first = s.completed().unwrap();
         sim.advance(0);
-        while !first.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
-        // Idle (parked for the long one's doorbell) and still warm.
-        while !matches!(ctx.model_poller_progress(), Some((_, true))) {
-            assert!(t.elapsed() < HANG, "a hang: the poller never went idle");
-            std::thread::yield_now();
-        }
-        if ctx.model_poller_cold() {
+        resolved(&first);
+        if !idle_and_warm(ctx) {
             continue;
         }
         sim.clear_calls();
         let next = s.completed().unwrap();
-        let made: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
-        // Only `next` and `long` are pending and neither can land before the advance below:
-        // the poller went from warm to cold in between if it is cold now, never back.
+        let made: Vec<&'static str> = sim.calls().iter().map(|c| c.name).collect();
         let warm_throughout = !ctx.model_poller_cold();
         sim.advance(0);
-        while !next.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
+        resolved(&next);
         if warm_throughout {
-            assert!(
-                !made.contains(&"cuLaunchHostFunc") && !made.contains(&"cuStreamWaitEvent"),
-                "a completion made while the poller was warm got a doorbell: {made:?}"
-            );
-            break;
+            return made;
         }
     }
+}
+
+/// A completion made while the poller is warm (it had something to read within the last
+/// millisecond) and another completion is pending gets no doorbell: a steady stream of
+/// completions, a server's, makes none of a doorbell's three driver calls (`cuEventRecord`,
+/// `cuStreamWaitEvent`, `cuLaunchHostFunc` on the one doorbell stream that every thread's
+/// completions share). Before, every completion made while the poller had nothing pending got
+/// one: 98 % of the async server's on the simulation, and on an H100 its workers spent 470 µs
+/// per request against 240 µs without (BENCHMARKS.md).
+#[test]
+fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doorbell() {
+    let (sim, ctx) = setup();
+    let (long_owner, o) = (ctx.owner(), ctx.owner());
+    // A long completion on another stream, pending throughout (the poller, parked for its
+    // doorbell when nothing else is pending, is idle).
+    let long_stream = long_owner.stream().unwrap();
+    sim.enqueue_work(long_stream.raw(), 1_000_000_000).unwrap();
+    let long = long_stream.completed().unwrap();
+    let s = o.stream().unwrap();
+    let made = calls_of_a_completion_made_warm(&sim, &ctx, &s);
+    assert!(
+        !made.contains(&"cuLaunchHostFunc") && !made.contains(&"cuStreamWaitEvent"),
+        "a completion made while the poller was warm got a doorbell: {made:?}"
+    );
     assert!(!long.is_complete());
     drop(long);
     drop((long_stream, s));
@@ -625,42 +631,11 @@ fn a_completion_made_while_the_poller_is_warm_and_none_other_is_pending_gets_a_d
     let (sim, ctx) = setup();
     let o = ctx.owner();
     let s = o.stream().unwrap();
-    let t = Instant::now();
-    loop {
-        assert!(
-            t.elapsed() < HANG,
-            "no completion was made while the poller was warm"
-        );
-        let first = s.completed().unwrap();
-        sim.advance(0);
-        while !first.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
-        while !matches!(ctx.model_poller_progress(), Some((_, true))) {
-            assert!(t.elapsed() < HANG, "a hang: the poller never went idle");
-            std::thread::yield_now();
-        }
-        if ctx.model_poller_cold() {
-            continue;
-        }
-        sim.clear_calls();
-        let next = s.completed().unwrap();
-        let made: Vec<&str> = sim.calls().iter().map(|c| c.name).collect();
-        let warm_throughout = !ctx.model_poller_cold();
-        sim.advance(0);
-        while !next.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
-        if warm_throughout {
-            assert!(
-                made.contains(&"cuLaunchHostFunc"),
-                "a completion made while the poller watched nothing got no doorbell: {made:?}"
-            );
-            return;
-        }
-    }
+    let made = calls_of_a_completion_made_warm(&sim, &ctx, &s);
+    assert!(
+        made.contains(&"cuLaunchHostFunc"),
+        "a completion made while no other was pending got no doorbell: {made:?}"
+    );
 }
 
 /// Waits until the poller has taken and finished everything (idle), then says whether it is
@@ -700,10 +675,7 @@ fn a_warm_poller_never_reports_idle_while_a_completion_without_doorbell_is_unwok
         );
         let first = s.completed().unwrap();
         sim.advance(0);
-        while !first.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
+        resolved(&first);
         if !idle_and_warm(&ctx) {
             continue;
         }
@@ -820,10 +792,7 @@ fn a_context_dropped_while_its_poller_naps_warm_is_torn_down() {
         let s = o.stream().unwrap();
         let first = s.completed().unwrap();
         sim.advance(0);
-        while !first.is_complete() {
-            assert!(t.elapsed() < HANG, "a hang: the completion never resolved");
-            std::thread::yield_now();
-        }
+        resolved(&first);
         drop(first);
         drop(s);
         drop(o);
