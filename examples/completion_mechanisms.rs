@@ -101,6 +101,8 @@ struct Poller {
     queue: Mutex<Vec<Pending>>,
     cv: Condvar,
     stop: AtomicBool,
+    /// A driver call of the poller or waiter failed: the cell's figures are not to be trusted.
+    failed: AtomicBool,
     /// Host-mapped flags (one u64 per slot).
     flags: usize,
 }
@@ -129,7 +131,10 @@ fn poller_loop(p: &Poller, d: &dyn Driver, base: Instant, free_events: &Mutex<Ve
                 // SAFETY: the event is live: it returns to the free list only here.
                 match unsafe { d.event_query(*e) } {
                     Ok(false) => true,
-                    _ => {
+                    r => {
+                        if r.is_err() {
+                            p.failed.store(true, Ordering::Release);
+                        }
                         w.wake(base);
                         free_events.lock().unwrap().push(*e);
                         false
@@ -183,7 +188,11 @@ fn waiter_loop(p: &Poller, d: &dyn Driver, base: Instant, free_events: &Mutex<Ve
             return;
         };
         // SAFETY: the event is live: it returns to the free list only here.
-        let _ = unsafe { d.event_synchronize(e) };
+        if let Err(e) = unsafe { d.event_synchronize(e) } {
+            // Woken all the same (its thread must not wait for ever); the run is reported bad.
+            eprintln!("blocking-event: cuEventSynchronize failed: {e}");
+            p.failed.store(true, Ordering::Release);
+        }
         w.wake(base);
         free_events.lock().unwrap().push(e);
     }
@@ -314,6 +323,7 @@ fn run_cell(
         queue: Mutex::new(Vec::new()),
         cv: Condvar::new(),
         stop: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
         flags: su.slab.host,
     };
     std::thread::scope(|sc| -> Res<Cell> {
@@ -415,6 +425,9 @@ fn run_cell(
         });
         poller.stop.store(true, Ordering::Release);
         poller.cv.notify_all();
+        if poller.failed.load(Ordering::Acquire) {
+            return Err(format!("{}: a driver call of the poller failed", m.name()).into());
+        }
         let mut lat = Vec::new();
         let mut n = 0;
         let mut wall = Duration::ZERO;
