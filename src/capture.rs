@@ -127,13 +127,13 @@ impl<'a> StreamRef<'a> {
     /// # Errors
     /// The driver's error, e.g. `CUDA_ERROR_ILLEGAL_STATE` for a nested begin.
     pub fn begin_capture_with(&self, mode: CaptureMode) -> Result<CaptureGuard<'a>> {
-        let mut st = self.slot.lock();
+        let mut st = self.slot().lock();
         // SAFETY: the stream is held by the holder this reference borrows: live.
         unsafe {
-            self.ctx
+            self.ctx()
                 .inner
                 .driver
-                .stream_begin_capture(self.slot.enqueue(), mode)
+                .stream_begin_capture(self.slot().enqueue(), mode)
         }?;
         let stale = st.begin_capture();
         drop(st);
@@ -188,17 +188,17 @@ impl<'a> CaptureGuard<'a> {
         // SAFETY: the stream is held by the holder the guard borrows: live.
         unsafe {
             self.stream
-                .ctx
+                .ctx()
                 .inner
                 .driver
-                .stream_capture_info(self.stream.slot.observe())
+                .stream_capture_info(self.stream.slot().observe())
         }
     }
 
     fn finish(&mut self) -> (Result<driver::Graph>, Vec<CapturedUse>) {
         self.done = true;
-        let ci = &self.stream.ctx.inner;
-        let raw = self.stream.slot.observe();
+        let ci = &self.stream.ctx().inner;
+        let raw = self.stream.slot().observe();
         // SAFETY (both closures): the stream is held by the holder the guard borrows: live.
         let status =
             || unsafe { ci.driver.stream_is_capturing(raw) }.map(|s| s != CaptureStatus::None);
@@ -221,7 +221,7 @@ impl<'a> CaptureGuard<'a> {
         // only a query that answers "not capturing" does (else the stream stays flagged, and the
         // pool never hands it out).
         if r.is_ok() || status() == Ok(false) {
-            uses = self.stream.slot.lock().end_capture();
+            uses = self.stream.slot().lock().end_capture();
             ci.flush_deferred();
         } else {
             // The driver may still be capturing: the stream stays flagged (the pool never hands
@@ -255,7 +255,7 @@ impl<'a> CaptureGuard<'a> {
     pub fn end(mut self) -> Result<Graph> {
         let (raw, uses) = self.finish();
         Ok(Graph {
-            ctx: self.stream.ctx.clone(),
+            ctx: self.stream.ctx().clone(),
             raw: raw?,
             uses,
         })
@@ -267,7 +267,7 @@ impl Drop for CaptureGuard<'_> {
         if !self.done {
             if let (Ok(raw), uses) = self.finish() {
                 drop(Graph {
-                    ctx: self.stream.ctx.clone(),
+                    ctx: self.stream.ctx().clone(),
                     raw,
                     uses,
                 });
@@ -457,7 +457,7 @@ impl GraphExec {
     /// capture is not supported); the errors of [`crate::DeviceBuffer::use_on`]; the driver's
     /// error.
     pub fn launch(&self, stream: &StreamRef<'_>) -> Result<()> {
-        if !self.ctx.same(&stream.ctx) {
+        if !self.ctx.same(&stream.ctx()) {
             return Err(Error::invalid(
                 "graph and stream belong to different contexts",
             ));
@@ -471,7 +471,7 @@ impl GraphExec {
                 self.ctx
                     .inner
                     .driver
-                    .graph_launch(self.raw, stream.slot.enqueue())
+                    .graph_launch(self.raw, stream.slot().enqueue())
             }
         })
     }
@@ -495,7 +495,7 @@ impl GraphExec {
     /// # Errors
     /// [`Error::InvalidArgument`] for a stream of another context; the driver's error.
     pub fn upload(&self, stream: &StreamRef<'_>) -> Result<()> {
-        if !self.ctx.same(&stream.ctx) {
+        if !self.ctx.same(&stream.ctx()) {
             return Err(Error::invalid(
                 "graph and stream belong to different contexts",
             ));
@@ -505,7 +505,7 @@ impl GraphExec {
             self.ctx
                 .inner
                 .driver
-                .graph_upload(self.raw, stream.slot.enqueue())
+                .graph_upload(self.raw, stream.slot().enqueue())
         }
     }
 }

@@ -115,34 +115,40 @@ impl<'a> StreamRef<'a> {
     /// allocated on first use).
     pub fn completed(&self) -> Result<Completion> {
         self.not_capturing("awaiting completion")?;
-        let hub = self.ctx.inner.hub();
+        let hub = self.ctx().inner.hub();
         // The slab's host allocation runs relaxed, the context current: the device rules.
-        let _scope = self.ctx.inner.scope();
+        let _scope = self.ctx().inner.scope();
         let mut n = 0;
         let entry = hub.completion(|dev, seq, bell| {
             // Numbered and enqueued under the stream's lock, as the enqueues of other threads
             // (frees, event records of a buffer's ordering) are: every enqueue numbered before
             // the marker is before it on the stream too.
-            let _st = self.slot.lock();
+            let _st = self.slot().lock();
             // The doorbell's event, before the write (so that the marker covers it): the
             // doorbell rings once the stream got this far; refused, the poller reads the flag.
             // SAFETY: the stream is held by the holder this reference borrows (live) and not
             // capturing (checked; only this thread could begin one); the event is the hub's.
             let recorded = bell.is_some_and(|ev| {
-                unsafe { self.ctx.inner.driver.event_record(ev, self.slot.enqueue()) }.is_ok()
+                unsafe {
+                    self.ctx()
+                        .inner
+                        .driver
+                        .event_record(ev, self.slot().enqueue())
+                }
+                .is_ok()
             });
             let raw;
-            (raw, n) = self.slot.enqueue_counted();
+            (raw, n) = self.slot().enqueue_counted();
             // SAFETY: as above; `dev` is the device address of an 8-byte aligned slot of
             // host-mapped memory of the hub, which stays mapped until the write has landed, and
             // no one else writes it while the slot is taken.
-            unsafe { self.ctx.inner.driver.stream_write_value64(raw, dev, seq) }?;
+            unsafe { self.ctx().inner.driver.stream_write_value64(raw, dev, seq) }?;
             Ok(recorded)
         })?;
         Ok(Completion {
-            ctx: self.ctx.clone(),
+            ctx: self.ctx().clone(),
             entry,
-            marker: Some((self.slot.clone(), self.gen, n)),
+            marker: Some((self.slot_arc(), self.gen, n)),
         })
     }
 }
@@ -270,7 +276,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                     // stream's work is known complete (leaked if never), the hub forgets it.
                     let kept = hub.detach_staging(staging);
                     ctx.inner
-                        .keep_host(&stream.slot, stream.gen, Box::new(kept));
+                        .keep_host(stream.slot_arc(), stream.gen, Box::new(kept));
                 }
                 Err(e)
             }
@@ -350,7 +356,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 } else {
                     let kept = hub.detach_staging(staging);
                     ctx.inner
-                        .keep_host(&stream.slot, stream.gen, Box::new(kept));
+                        .keep_host(stream.slot_arc(), stream.gen, Box::new(kept));
                     Err(e)
                 }
             }

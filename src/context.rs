@@ -1678,9 +1678,8 @@ impl CtxInner {
 
     /// Keeps host memory that a copy enqueued on generation `gen` of `slot` may still access
     /// (its wait failed), until that work is known to be complete.
-    pub(crate) fn keep_host(&self, slot: &Arc<Slot>, gen: u64, mem: Box<dyn std::any::Any + Send>) {
-        self.kept_host
-            .keep((slot.clone(), gen, mem), &self.deferred_len);
+    pub(crate) fn keep_host(&self, slot: Arc<Slot>, gen: u64, mem: Box<dyn std::any::Any + Send>) {
+        self.kept_host.keep((slot, gen, mem), &self.deferred_len);
     }
 
     /// Whether the work enqueued on generation `gen` of `slot` is known to be complete (a wait

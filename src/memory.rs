@@ -199,7 +199,7 @@ impl Drop for BufferUse<'_> {
 impl BufCore {
     /// Begins a use of the buffer on `stream` (see [`BufferUse`]).
     fn begin_use<'b>(self: &'b Arc<Self>, stream: &StreamRef<'_>) -> Result<BufferUse<'b>> {
-        if !self.ctx.same(&stream.ctx) {
+        if !self.ctx.same(&stream.ctx()) {
             return Err(Error::invalid(
                 "the buffer belongs to another context than the stream",
             ));
@@ -213,7 +213,7 @@ impl BufCore {
         let last = self.last.lock();
         self.holder.store(me, Ordering::Release);
         let mut u = BufferUse { core: self, last };
-        let (slot, gen) = (&stream.slot, stream.gen);
+        let (slot, gen) = (stream.slot(), stream.gen);
         let capturing = stream.capturing_now();
         if capturing && !slot.is_capturing() {
             // A capture the crate did not begin: the borrower of a lent stream captures it. Work
@@ -221,7 +221,8 @@ impl BufCore {
             // crate's alive (only a `CaptureGuard` hands its uses to a graph).
             return Err(foreign_capture());
         }
-        if !(Arc::ptr_eq(&u.last.slot, slot) && u.last.gen == gen) {
+        let same = stream.is_slot(&u.last.slot) && u.last.gen == gen;
+        if !same {
             let prev = u.last.slot.clone();
             let st = prev.lock();
             // SAFETY (capturing): the previous stream is live (generation current, under its
@@ -262,10 +263,12 @@ impl BufCore {
         }
         // The use is registered now, before the caller enqueues anything: the free (and every
         // later use) orders after `stream` even if the guard is leaked and never dropped.
-        *u.last = LastUse {
-            slot: slot.clone(),
-            gen,
-        };
+        if !same {
+            *u.last = LastUse {
+                slot: stream.slot_arc(),
+                gen,
+            };
+        }
         Ok(u)
     }
 }
@@ -380,7 +383,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             .checked_next_multiple_of(4)
             .ok_or_else(|| Error::invalid(format!("cannot allocate {len} elements")))?;
         stream.not_capturing("allocating")?;
-        let ci = &stream.ctx.inner;
+        let ci = &stream.ctx().inner;
         // One scope for the retried frees and the allocation (relaxed mode once).
         let _scope = ci.scope();
         ci.flush_deferred();
@@ -393,9 +396,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // after its last use.
         let ptr = unsafe {
             if ci.own_pool {
-                d.mem_alloc_from_pool_async(padded, ci.mem_pool, stream.slot.enqueue())
+                d.mem_alloc_from_pool_async(padded, ci.mem_pool, stream.slot().enqueue())
             } else {
-                d.mem_alloc_async(padded, stream.slot.enqueue())
+                d.mem_alloc_async(padded, stream.slot().enqueue())
             }
         }?;
         Ok(Self::owning(stream, ptr, bytes, len))
@@ -406,11 +409,11 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     fn owning(stream: &StreamRef<'_>, ptr: DevicePtr, bytes: usize, len: usize) -> Self {
         DeviceBuffer {
             core: Arc::new(BufCore {
-                ctx: stream.ctx.clone(),
+                ctx: stream.ctx().clone(),
                 ptr,
                 bytes,
                 last: Mutex::new(LastUse {
-                    slot: stream.slot.clone(),
+                    slot: stream.slot_arc(),
                     gen: stream.gen,
                 }),
                 holder: AtomicU64::new(0),
@@ -450,7 +453,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         stream: &StreamRef<'_>,
     ) -> std::result::Result<(DevicePtr, usize), (Error, Self)> {
         let len = self.len;
-        if !self.core.ctx.same(&stream.ctx) {
+        if !self.core.ctx.same(&stream.ctx()) {
             let e = Error::invalid("the buffer belongs to another context than the stream");
             return Err((e, self));
         }
@@ -477,8 +480,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // No guard can be alive (the buffer is ours by value); a leaked one's use is recorded in
         // `last` already, and its lock is not taken here (`get_mut`).
         let last = core.last.get_mut();
-        let (slot, gen) = (&stream.slot, stream.gen);
-        let ordered = if Arc::ptr_eq(&last.slot, slot) && last.gen == gen {
+        let (slot, gen) = (stream.slot(), stream.gen);
+        let ordered = if stream.is_slot(&last.slot) && last.gen == gen {
             Ok(())
         } else {
             let prev = last.slot.clone();
@@ -696,7 +699,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 u.ptr(),
                 data.as_ptr(),
                 data.len(),
-                stream.slot.enqueue(),
+                stream.slot().enqueue(),
             )
         }
     }
@@ -727,11 +730,12 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // into a capture becomes a node, and the capture keeps the buffer (registered by
         // `use_on`).
         unsafe {
-            self.core
-                .ctx
-                .inner
-                .driver
-                .memset_d32_async(u.ptr(), word, words, stream.slot.enqueue())
+            self.core.ctx.inner.driver.memset_d32_async(
+                u.ptr(),
+                word,
+                words,
+                stream.slot().enqueue(),
+            )
         }
     }
 
@@ -853,7 +857,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
                 dst.as_mut_ptr() as *mut u8,
                 u.ptr(),
                 std::mem::size_of_val(dst),
-                stream.slot.enqueue(),
+                stream.slot().enqueue(),
             )
         }
     }
@@ -975,5 +979,8 @@ fn finish_host_copy(stream: &StreamRef<'_>, mem: Box<dyn std::any::Any + Send>) 
 
 /// Hands host memory that a pending copy on `stream` may still access to the context.
 fn keep_for_copy(stream: &StreamRef<'_>, mem: Box<dyn std::any::Any + Send>) {
-    stream.ctx.inner.keep_host(&stream.slot, stream.gen, mem);
+    stream
+        .ctx()
+        .inner
+        .keep_host(stream.slot_arc(), stream.gen, mem);
 }

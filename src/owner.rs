@@ -24,6 +24,8 @@ struct Held {
 }
 
 struct Inner {
+    /// Only pushed to while the owner lives, drained by its drop: a [`StreamRef`] borrowed from
+    /// the owner points at these slots (see [`StreamRef::new`]'s contract).
     held: SmallVec<[Held; 2]>,
     current: i32,
     /// A stream (and generation) that this owner's streams must be ordered after before their
@@ -211,7 +213,9 @@ impl Owner {
                 continue;
             }
             let h = self.held_settled(&mut inner, p)?;
-            return Ok(StreamRef::new(&self.ctx, &h.slot, h.gen, None));
+            // SAFETY: the reference borrows `self`, whose context field and held streams stay
+            // in place until it is dropped (an owner gives no stream back while it lives).
+            return Ok(unsafe { StreamRef::new(&self.ctx, &h.slot, h.gen, None) });
         }
     }
 
@@ -234,12 +238,11 @@ impl Owner {
     /// # Errors
     /// As [`Owner::stream`].
     pub fn stream_shared(self: &Rc<Self>) -> Result<StreamRef<'static>> {
-        let (slot, gen) = {
-            let s = self.stream()?;
-            (s.slot.clone(), s.gen)
-        };
+        let s = self.stream()?;
         let keep: Rc<dyn std::any::Any> = self.clone();
-        Ok(StreamRef::new(&self.ctx, &slot, gen, Some(keep)))
+        // SAFETY: `s` borrows the owner in `self`'s `Rc`, which `keep` keeps alive (an `Rc`
+        // does not move what it holds).
+        Ok(unsafe { s.kept_by(keep) })
     }
 
     /// Makes the owner hold a stream of priority `p`, acquiring one if it holds none. The
@@ -516,7 +519,13 @@ impl Owner {
             .borrow()
             .held
             .iter()
-            .map(|h| (h.priority, StreamRef::new(&self.ctx, &h.slot, h.gen, None)))
+            // SAFETY: each reference borrows `self`, whose context field and held streams stay
+            // in place until it is dropped (an owner gives no stream back while it lives).
+            .map(|h| {
+                (h.priority, unsafe {
+                    StreamRef::new(&self.ctx, &h.slot, h.gen, None)
+                })
+            })
             .collect()
     }
 }

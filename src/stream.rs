@@ -14,6 +14,7 @@ use crate::pool::Slot;
 use std::any::Any;
 use std::cell::Cell;
 use std::marker::PhantomData;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -54,8 +55,11 @@ use std::sync::Arc;
 /// ```
 #[derive(Clone)]
 pub struct StreamRef<'a> {
-    pub(crate) ctx: Context,
-    pub(crate) slot: Arc<Slot>,
+    /// The holder's context and stream, pointed at rather than reference-counted: an owner's
+    /// hand-over touches no shared count (every `Context` clone and drop writes one cache line
+    /// that all threads share). Valid while the reference lives (see [`StreamRef::new`]).
+    ctx: NonNull<Context>,
+    slot: NonNull<Slot>,
     pub(crate) gen: u64,
     /// Keeps the thread's implicit owner alive for a `StreamRef<'static>` of it.
     _keep: Option<Rc<dyn Any>>,
@@ -65,8 +69,8 @@ pub struct StreamRef<'a> {
 impl std::fmt::Debug for StreamRef<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamRef")
-            .field("raw", &self.slot.observe())
-            .field("priority", &self.slot.priority)
+            .field("raw", &self.slot().observe())
+            .field("priority", &self.slot().priority)
             .field("generation", &self.gen)
             .finish()
     }
@@ -74,19 +78,69 @@ impl std::fmt::Debug for StreamRef<'_> {
 
 impl<'a> StreamRef<'a> {
     /// A reference to a stream held by something that `'a` borrows (or that `keep` keeps alive).
-    pub(crate) fn new(
+    ///
+    /// # Safety
+    /// `ctx` and the `Arc` that `slot` is stay alive and in place for as long as the reference
+    /// (or a clone of it) lives: they belong to the holder that `'a` borrows, or that `keep`
+    /// keeps alive (in an `Rc`, which does not move it), and the holder neither drops nor moves
+    /// them while it is borrowed or kept (an owner gives no stream back before it is dropped).
+    pub(crate) unsafe fn new(
         ctx: &Context,
         slot: &Arc<Slot>,
         gen: u64,
         keep: Option<Rc<dyn Any>>,
     ) -> Self {
         StreamRef {
-            ctx: ctx.clone(),
-            slot: slot.clone(),
+            ctx: NonNull::from(ctx),
+            slot: NonNull::from(&**slot),
             gen,
             _keep: keep,
             _holder: PhantomData,
         }
+    }
+
+    /// This reference, kept valid by `keep` instead of a borrow.
+    ///
+    /// # Safety
+    /// `keep` keeps alive (and in place) the holder that `'a` borrows.
+    pub(crate) unsafe fn kept_by(self, keep: Rc<dyn Any>) -> StreamRef<'static> {
+        StreamRef {
+            ctx: self.ctx,
+            slot: self.slot,
+            gen: self.gen,
+            _keep: Some(keep),
+            _holder: PhantomData,
+        }
+    }
+
+    /// The holder's context.
+    pub(crate) fn ctx(&self) -> &Context {
+        // SAFETY: `new`'s contract: the holder keeps the context in place while `self` lives.
+        unsafe { self.ctx.as_ref() }
+    }
+
+    /// The holder's stream.
+    pub(crate) fn slot(&self) -> &Slot {
+        // SAFETY: `new`'s contract: the holder keeps an `Arc` of the slot while `self` lives.
+        unsafe { self.slot.as_ref() }
+    }
+
+    /// The holder's stream, as a counted reference of its own (for what outlives `self`: a
+    /// buffer's last use, a completion's marker).
+    pub(crate) fn slot_arc(&self) -> Arc<Slot> {
+        let p = self.slot.as_ptr().cast_const();
+        // SAFETY: `p` is the pointer of an `Arc<Slot>` (`new` took it from one) that the holder
+        // keeps alive while `self` lives (`new`'s contract): its strong count is at least one
+        // here, so raising it and taking the new count's `Arc` is sound.
+        unsafe {
+            Arc::increment_strong_count(p);
+            Arc::from_raw(p)
+        }
+    }
+
+    /// Whether `other` is this reference's stream.
+    pub(crate) fn is_slot(&self, other: &Arc<Slot>) -> bool {
+        std::ptr::eq(self.slot.as_ptr(), Arc::as_ptr(other))
     }
 
     /// The raw `CUstream`, for launching with other crates. Using it is `unsafe` (every raw
@@ -107,7 +161,7 @@ impl<'a> StreamRef<'a> {
     pub fn raw(&self) -> driver::Stream {
         // The handle leaves the crate: work enqueued through it is unseen, so from now on only
         // a query tells whether this generation's work completed.
-        self.slot.expose(self.gen)
+        self.slot().expose(self.gen)
     }
 
     /// The handle, without it leaving the crate (no exposure, unlike [`StreamRef::raw`]): for a
@@ -117,13 +171,13 @@ impl<'a> StreamRef<'a> {
     #[cfg(feature = "model-hooks")]
     #[doc(hidden)]
     pub fn model_handle(&self) -> driver::Stream {
-        self.slot.observe()
+        self.slot().observe()
     }
 
     /// The handle, for an enqueue by the crate itself (counted: see `Slot::enqueue`).
     #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn enqueue_handle(&self) -> driver::Stream {
-        self.slot.enqueue()
+        self.slot().enqueue()
     }
 
     /// Lends the stream to another crate as a shared handle of that crate's type, made by `wrap`
@@ -191,9 +245,9 @@ impl<'a> StreamRef<'a> {
         &self,
         wrap: impl FnOnce(driver::Stream) -> Result<Arc<H>>,
     ) -> Result<Arc<H>> {
-        let raw = self.slot.expose(self.gen);
+        let raw = self.slot().expose(self.gen);
         let loan = self
-            .slot
+            .slot()
             .lend(|| wrap(raw).map(|h| h as crate::pool::Loan))?;
         loan.downcast::<H>()
             .map_err(|_| Error::invalid("the stream is already lent as a handle of another type"))
@@ -209,7 +263,7 @@ impl<'a> StreamRef<'a> {
     /// assert_eq!(owner.stream().unwrap().context().raw(), ctx.raw());
     /// ```
     pub fn context(&self) -> &Context {
-        &self.ctx
+        self.ctx()
     }
 
     /// The stream's priority (fixed at creation).
@@ -225,7 +279,7 @@ impl<'a> StreamRef<'a> {
     /// assert_eq!(owner.stream().unwrap().priority(), -2);
     /// ```
     pub fn priority(&self) -> i32 {
-        self.slot.priority
+        self.slot().priority
     }
 
     /// The stream's creation flags ([`stream_flags`]).
@@ -239,7 +293,7 @@ impl<'a> StreamRef<'a> {
     /// assert_eq!(owner.stream().unwrap().flags(), stream_flags::NON_BLOCKING);
     /// ```
     pub fn flags(&self) -> u32 {
-        self.slot.flags
+        self.slot().flags
     }
 
     /// The generation of the stream this reference holds (bumped each time the pool hands the
@@ -273,7 +327,7 @@ impl<'a> StreamRef<'a> {
     /// assert!(owner.stream().unwrap().is_current());
     /// ```
     pub fn is_current(&self) -> bool {
-        self.slot.is_current(self.gen)
+        self.slot().is_current(self.gen)
     }
 
     /// Whether two handles name the same stream (by object, never by handle value).
@@ -288,14 +342,14 @@ impl<'a> StreamRef<'a> {
     /// assert!(!s.same_stream(&b.stream().unwrap()));
     /// ```
     pub fn same_stream(&self, other: &StreamRef<'_>) -> bool {
-        Arc::ptr_eq(&self.slot, &other.slot)
+        self.slot == other.slot
     }
 
     /// Whether the stream is capturing (a capture of the crate, or, for a stream lent to
     /// cudarc, any capture the driver reports).
     pub(crate) fn capturing_now(&self) -> bool {
         // SAFETY: the holder that this reference borrows holds the stream: it is live.
-        unsafe { self.ctx.inner.capturing(&self.slot) }
+        unsafe { self.ctx().inner.capturing(self.slot()) }
     }
 
     pub(crate) fn not_capturing(&self, what: &str) -> Result<()> {
@@ -330,15 +384,15 @@ impl<'a> StreamRef<'a> {
     /// the driver's error otherwise.
     pub fn synchronize(&self) -> Result<()> {
         self.not_capturing("synchronizing")?;
-        let d = &*self.ctx.inner.driver;
+        let d = &*self.ctx().inner.driver;
         // Read before the synchronization: what it covers.
-        let n = self.slot.enqueued_settled();
+        let n = self.slot().enqueued_settled();
         // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
         // mode: the device rules.
-        unsafe { d.stream_synchronize(self.slot.observe()) }?;
+        unsafe { d.stream_synchronize(self.slot().observe()) }?;
         // Known idle from now until the next enqueue: the owner's release hands it on without
         // a query (unless its handle left the crate in this generation).
-        self.slot.completed_through(self.gen, n);
+        self.slot().completed_through(self.gen, n);
         Ok(())
     }
 
@@ -356,10 +410,10 @@ impl<'a> StreamRef<'a> {
     /// [`Error::CaptureInProgress`] while the stream is capturing; the driver's error otherwise.
     pub fn query(&self) -> Result<bool> {
         self.not_capturing("querying")?;
-        let d = &*self.ctx.inner.driver;
+        let d = &*self.ctx().inner.driver;
         // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
         // mode: the device rules.
-        unsafe { d.stream_query(self.slot.observe()) }
+        unsafe { d.stream_query(self.slot().observe()) }
     }
 
     /// Orders later work on this stream after the work enqueued so far on `other` (event record
@@ -384,14 +438,14 @@ impl<'a> StreamRef<'a> {
     /// [`Error::CaptureInProgress`] when either stream is capturing (on the real driver the wait
     /// would pull this stream into the capture, or invalidate it); the driver's error otherwise.
     pub fn wait_for(&self, other: &StreamRef<'_>) -> Result<()> {
-        if !self.ctx.same(&other.ctx) {
+        if !self.ctx().same(other.ctx()) {
             return Err(Error::invalid("streams of different contexts"));
         }
         self.not_capturing("waiting for another stream")?;
         other.not_capturing("waiting for a capturing stream")?;
         // SAFETY: both streams are held by the holders these references borrow, and neither is
         // capturing (checked above; only their holders' threads could begin one).
-        unsafe { self.ctx.inner.order(&other.slot, &self.slot) }
+        unsafe { self.ctx().inner.order(other.slot(), self.slot()) }
     }
 
     /// Enqueues a host function; it runs on a driver thread once earlier work has completed. It
@@ -419,10 +473,10 @@ impl<'a> StreamRef<'a> {
         // SAFETY: the stream is held (live) and not capturing; only this thread, which holds
         // it, could begin a capture.
         unsafe {
-            self.ctx
+            self.ctx()
                 .inner
                 .driver
-                .launch_host_func(self.slot.enqueue(), f)
+                .launch_host_func(self.slot().enqueue(), f)
         }
     }
 
@@ -446,10 +500,10 @@ impl<'a> StreamRef<'a> {
     pub fn is_capturing(&self) -> Result<bool> {
         // SAFETY: the holder that this reference borrows holds the stream: it is live.
         let st = unsafe {
-            self.ctx
+            self.ctx()
                 .inner
                 .driver
-                .stream_is_capturing(self.slot.observe())
+                .stream_is_capturing(self.slot().observe())
         }?;
         Ok(st != driver::CaptureStatus::None)
     }
@@ -530,7 +584,9 @@ impl OwnedStream {
     /// s.synchronize().unwrap();
     /// ```
     pub fn stream(&self) -> StreamRef<'_> {
-        StreamRef::new(&self.ctx, &self.slot, 1, None)
+        // SAFETY: the reference borrows `self`, which keeps its context and stream in place
+        // until it is dropped.
+        unsafe { StreamRef::new(&self.ctx, &self.slot, 1, None) }
     }
 }
 

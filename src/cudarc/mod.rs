@@ -233,7 +233,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         let inner = self.use_on(stream)?;
         // SAFETY: the stream is held by the reference's holder: live. The query is allowed in
         // every capture mode and invalidates nothing.
-        let capture = match unsafe { stream.ctx.inner.driver.stream_capture_info(stream.raw()) }? {
+        let capture = match unsafe { stream.ctx().inner.driver.stream_capture_info(stream.raw()) }?
+        {
             (CaptureStatus::None, _) => None,
             (_, id) => Some(id),
         };

@@ -147,7 +147,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             Ok(cs) => cs,
             Err(e) => return Err(refused(e, self)),
         };
-        let keep = match KeepCurrent::new(&*stream.ctx.inner.driver) {
+        let keep = match KeepCurrent::new(&*stream.ctx().inner.driver) {
             Ok(k) => k,
             Err(e) => return Err(refused(e, self)),
         };
@@ -184,10 +184,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             let event = take_event(&mut sync);
             drop(sync);
             if let Some(event) = event {
-                let ci = &stream.ctx.inner;
+                let ci = &stream.ctx().inner;
                 // SAFETY: the event is the slice's, alive while the slice is; the stream is
                 // held and not capturing (checked by `into_raw_on`).
-                if let Err(e) = unsafe { ci.driver.event_record(event, stream.slot.enqueue()) } {
+                if let Err(e) = unsafe { ci.driver.event_record(event, stream.slot().enqueue()) } {
                     // The slice gives the allocation back (its waits are on unrecorded events).
                     let _ = slice.leak();
                     return Err(back(e));
@@ -244,12 +244,12 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         mut slice: CudaSlice<T>,
         stream: &StreamRef<'_>,
     ) -> std::result::Result<Self, ConvertError<CudaSlice<T>>> {
-        let ci = &stream.ctx.inner;
+        let ci = &stream.ctx().inner;
         let keep = match KeepCurrent::new(&*ci.driver) {
             Ok(k) => k,
             Err(e) => return Err(refused(e, slice)),
         };
-        if driver::Context::from(slice.context().cu_ctx()) != stream.ctx.raw() {
+        if driver::Context::from(slice.context().cu_ctx()) != stream.ctx().raw() {
             let e = Error::invalid("the slice belongs to another CUDA context than the stream");
             return Err(refused(e, slice));
         }
@@ -285,7 +285,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             return Err(refused(e, slice));
         }
         let theirs = driver::Stream::from(slice.stream().cu_stream());
-        let mine = stream.slot.enqueue();
+        let mine = stream.slot().enqueue();
         let ordered = (|| -> Result<()> {
             let _scope = ci.scope();
             // SAFETY: the slice's stream is alive (the slice holds it); the query is allowed in
