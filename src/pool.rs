@@ -483,9 +483,21 @@ impl std::ops::Add for PoolStats {
 #[derive(Default)]
 struct ShardData {
     list: Mutex<SmallVec<[Arc<Slot>; 8]>>,
+    /// Acquisitions served from a waiter's mailbox by the threads whose home this is.
     hits: AtomicU64,
     misses: AtomicU64,
+    /// Releases handed straight to a waiter by the threads whose home this is.
     releases: AtomicU64,
+    /// Acquisitions served from this shard's list, and releases into it: written only under
+    /// the list's lock ([`bump_locked`]: no read-modify-write on the hand-over's path).
+    taken: AtomicU64,
+    pushed: AtomicU64,
+}
+
+/// Adds one to a counter that is written only under one lock, which the caller holds: a load
+/// and a store (exact, as no other writer can interleave) instead of a locked read-modify-write.
+fn bump_locked(c: &AtomicU64) {
+    c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
 }
 
 type Shard = CachePadded<ShardData>;
@@ -1298,7 +1310,6 @@ impl Pool {
                 self.trim_excess(driver);
             }
             if let Some(found) = found {
-                self.home(home).hits.fetch_add(1, Ordering::Release);
                 return Ok(Some(found));
             }
         }
@@ -1427,7 +1438,8 @@ impl Pool {
     /// Searches one shard: takes the first retired stream that is idle, in the order they were
     /// retired (the oldest is the likeliest to be done).
     fn take_from(&self, driver: &dyn Driver, index: usize) -> Option<(Arc<Slot>, u64)> {
-        let mut list = self.shard(index);
+        let shard = self.home(index);
+        let mut list = shard.list.lock();
         for i in 0..list.len() {
             // Borrowed from the list (no reference count touched on the hot path); removed
             // from it below, under the shard's lock still.
@@ -1441,6 +1453,7 @@ impl Pool {
             drop(st);
             let slot = list.remove(i);
             self.retired.fetch_sub(1, Ordering::AcqRel);
+            bump_locked(&shard.taken);
             return Some((slot, gen));
         }
         None
@@ -1530,8 +1543,12 @@ impl Pool {
         let home = home_index();
         // Counted before it can be found, so that a search never takes an uncounted stream.
         let retired = self.retired.fetch_add(1, Ordering::AcqRel) + 1;
-        self.shard(home).push(slot);
-        self.home(home).releases.fetch_add(1, Ordering::Release);
+        {
+            let shard = self.home(home);
+            let mut list = shard.list.lock();
+            list.push(slot);
+            bump_locked(&shard.pushed);
+        }
         // After the push (and its lock): a waiter that joined before it sees the stream in its
         // next attempt, or is notified here (`waiting` is read after the push and a SeqCst
         // fence, which pairs with the one after the waiter's join).
@@ -1656,9 +1673,10 @@ impl Pool {
         }
         // Releases before acquisitions and destroys before creations: each later reading is at
         // least what the earlier one implies, so no difference underflows.
-        let releases = self.sum(|s| &s.releases);
+        let releases = self.sum(|s| &s.releases) + self.sum(|s| &s.pushed);
         let destroyed = self.counters.destroyed.load(Ordering::Acquire);
-        let (hits, misses) = (self.sum(|s| &s.hits), self.sum(|s| &s.misses));
+        let hits = self.sum(|s| &s.hits) + self.sum(|s| &s.taken);
+        let misses = self.sum(|s| &s.misses);
         let reserved = self.counters.reserved.load(Ordering::Acquire);
         PoolStats {
             live: (misses + reserved).saturating_sub(destroyed),
