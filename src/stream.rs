@@ -92,7 +92,9 @@ impl<'a> StreamRef<'a> {
     ) -> Self {
         StreamRef {
             ctx: NonNull::from(ctx),
-            slot: NonNull::from(&**slot),
+            // `Arc::as_ptr`, not a reference's address: the pointer keeps the provenance of the
+            // whole allocation, counts included, which `slot_arc` needs.
+            slot: NonNull::new(Arc::as_ptr(slot).cast_mut()).expect("an Arc's pointer"),
             gen,
             _keep: keep,
             _holder: PhantomData,
