@@ -7,7 +7,9 @@
 //!
 //! Groups: `uncontended`; `threads/{pool,global_lock}/N` (time per operation on each of N
 //! threads; `threads/context_clone/N`, a context's clone and drop, the shared reference count
-//! every owner touches); `live_owners/{pool,global_lock}/L` (with L other owners holding streams).
+//! every owner touches); `live_owners/{pool,global_lock}/L` (with L other owners holding streams);
+//! `waiters/queue_and_serve/N` (per waiter: N async acquisitions queued at a cap, served in turn;
+//! always the simulated driver).
 
 #[path = "common.rs"]
 mod common;
@@ -15,6 +17,7 @@ mod common;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use cuda_stream_pool::driver::{stream_flags, CaptureMode, Driver, Stream};
 use cuda_stream_pool::{CaptureModeGuard, Context, Owner};
+use std::future::Future;
 use std::hint::black_box;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -188,9 +191,60 @@ fn benches(c: &mut Criterion) {
     }
 }
 
+/// A waker that does nothing: the waiters below are polled in turn by the bench itself.
+struct Noop;
+impl std::task::Wake for Noop {
+    fn wake(self: Arc<Self>) {}
+}
+
+/// `n` async acquisitions queue at a cap of 1 behind a held stream (each polled once: it joins
+/// the gate's queue), then are served in turn (the holder's release hands the stream to the first,
+/// whose owner's drop hands it to the next). The gate's queue is the crate's CPU work alone, so
+/// this runs on the simulated driver whatever `CSP_BENCH_DRIVER` says. Returns the time of the
+/// queueing and the serving.
+fn queue_and_serve(ctx: &Context, n: usize) -> Duration {
+    let waker = std::task::Waker::from(Arc::new(Noop));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let holder = ctx.owner();
+    holder.stream().unwrap();
+    let t = Instant::now();
+    let mut waiting: Vec<_> = (0..n).map(|_| Box::pin(ctx.owner().ready())).collect();
+    for f in &mut waiting {
+        assert!(f.as_mut().poll(&mut cx).is_pending());
+    }
+    drop(holder);
+    for f in &mut waiting {
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(owner) => drop(black_box(owner.unwrap())),
+            std::task::Poll::Pending => panic!("a waiter was not served in turn"),
+        }
+    }
+    t.elapsed()
+}
+
+fn waiter_benches(c: &mut Criterion) {
+    let sim: Arc<dyn Driver> = Arc::new(cuda_stream_pool::driver::SimDriver::new());
+    let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(sim, 0, opts).unwrap();
+    let mut g = c.benchmark_group("waiters");
+    for n in [100usize, 1_000, 10_000] {
+        // Time per waiter: queueing behind `n - 1` others and being served.
+        g.bench_with_input(BenchmarkId::new("queue_and_serve", n), &n, |b, &n| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters.div_ceil(n as u64) {
+                    total += queue_and_serve(&ctx, n);
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = pool;
     config = common::config();
-    targets = benches
+    targets = benches, waiter_benches
 }
 criterion_main!(pool);

@@ -705,7 +705,18 @@ impl Waiter {
 #[derive(Default)]
 struct Queue {
     next_id: u64,
+    /// In the order of the waiters' ids: a waiter joins at the back with the next id, and
+    /// leaves from wherever it is, so the ids only grow from front to back ([`Queue::index_of`]).
     list: VecDeque<Waiter>,
+}
+
+impl Queue {
+    /// The position of waiter `id`, by binary search: O(log n). A linear search made every
+    /// waiter that joined a long queue (10,000 async tasks at a cap of 64) walk all the waiters
+    /// before it, twice, under the queue's lock.
+    fn index_of(&self, id: u64) -> Option<usize> {
+        self.list.binary_search_by_key(&id, |w| w.id).ok()
+    }
 }
 
 /// The cap on live streams of one key and the FIFO queue of acquisitions waiting under it.
@@ -870,7 +881,8 @@ impl Gate {
     /// The stream handed to waiter `id`, if any.
     fn take_handed(&self, id: u64) -> Option<(Arc<Slot>, u64)> {
         let mut q = self.queue();
-        let h = q.list.iter_mut().find(|w| w.id == id)?.handed.take();
+        let i = q.index_of(id)?;
+        let h = q.list[i].handed.take();
         if h.is_some() {
             self.handed.fetch_sub(1, Ordering::AcqRel);
         }
@@ -897,7 +909,7 @@ impl Gate {
         let unused;
         let attempt = {
             let mut q = self.queue();
-            match q.list.iter().position(|w| w.id == id) {
+            match q.index_of(id) {
                 None => {
                     unused = Some(wake);
                     true
@@ -934,7 +946,7 @@ impl Gate {
         let left;
         {
             let mut q = self.queue();
-            let Some(pos) = q.list.iter().position(|w| w.id == id) else {
+            let Some(pos) = q.index_of(id) else {
                 return;
             };
             let Some(mut w) = q.list.remove(pos) else {

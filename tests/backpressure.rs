@@ -4,6 +4,8 @@
 //! All on the simulated driver (manual clock).
 
 mod common;
+#[path = "common/futures.rs"]
+mod futs;
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{Context, ContextOptions, ErrorCode, Owner, OwnerReady, Priority};
@@ -601,4 +603,49 @@ fn try_stream_fails_at_the_cap_and_never_passes_a_queued_waiter() {
     // Holding one, it is a plain `stream()`.
     assert_eq!(c.try_stream().unwrap().raw(), sc.raw());
     assert_eq!(ctx.stats().over_cap, 0);
+}
+
+/// A long queue of async waiters, some of which leave from its middle, is served in the order
+/// they joined, each exactly when its turn comes (the queue finds a waiter by binary search over
+/// the ids, in join order: issue 22, the cap-64 server; a search that found the wrong waiter, or
+/// none after a removal from the middle, would serve out of order or never).
+#[test]
+fn a_long_queue_with_waiters_leaving_from_its_middle_is_served_in_join_order() {
+    let (_sim, ctx) = capped(1);
+    let w = Waker::from(Arc::new(futs::Noop));
+    let holder = ctx.owner();
+    holder.stream().unwrap();
+    let mut waiting: Vec<Option<Pin<Box<OwnerReady>>>> = (0..300)
+        .map(|_| Some(Box::pin(ctx.owner().ready())))
+        .collect();
+    for f in waiting.iter_mut().flatten() {
+        assert!(futs::poll(f.as_mut(), &w).is_pending());
+    }
+    // Every third waiter leaves, and the 200th: from the front half, the middle and the back.
+    for (i, f) in waiting.iter_mut().enumerate() {
+        if i % 3 == 1 || i == 200 {
+            *f = None;
+        }
+    }
+    drop(holder);
+    let order: Vec<usize> = (0..waiting.len())
+        .filter(|i| waiting[*i].is_some())
+        .collect();
+    for (k, &i) in order.iter().enumerate() {
+        // Every later waiter still waits: the stream is the current one's.
+        for &j in order[k + 1..].iter().take(3) {
+            let f = waiting[j].as_mut().unwrap();
+            assert!(
+                futs::poll(f.as_mut(), &w).is_pending(),
+                "waiter {j} was served before waiter {i}"
+            );
+        }
+        let f = waiting[i].as_mut().unwrap();
+        match futs::poll(f.as_mut(), &w) {
+            Poll::Ready(owner) => drop(owner.unwrap()),
+            Poll::Pending => panic!("waiter {i} was not served in its turn"),
+        }
+    }
+    let st = ctx.stats();
+    assert_eq!((st.live, st.in_use, st.handed), (1, 0, 0), "{st:?}");
 }
