@@ -457,7 +457,7 @@ impl GraphExec {
     /// capture is not supported); the errors of [`crate::DeviceBuffer::use_on`]; the driver's
     /// error.
     pub fn launch(&self, stream: &StreamRef<'_>) -> Result<()> {
-        if !self.ctx.same(&stream.ctx()) {
+        if !self.ctx.same(stream.ctx()) {
             return Err(Error::invalid(
                 "graph and stream belong to different contexts",
             ));
@@ -495,7 +495,7 @@ impl GraphExec {
     /// # Errors
     /// [`Error::InvalidArgument`] for a stream of another context; the driver's error.
     pub fn upload(&self, stream: &StreamRef<'_>) -> Result<()> {
-        if !self.ctx.same(&stream.ctx()) {
+        if !self.ctx.same(stream.ctx()) {
             return Err(Error::invalid(
                 "graph and stream belong to different contexts",
             ));

@@ -199,7 +199,7 @@ impl Drop for BufferUse<'_> {
 impl BufCore {
     /// Begins a use of the buffer on `stream` (see [`BufferUse`]).
     fn begin_use<'b>(self: &'b Arc<Self>, stream: &StreamRef<'_>) -> Result<BufferUse<'b>> {
-        if !self.ctx.same(&stream.ctx()) {
+        if !self.ctx.same(stream.ctx()) {
             return Err(Error::invalid(
                 "the buffer belongs to another context than the stream",
             ));
@@ -453,7 +453,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         stream: &StreamRef<'_>,
     ) -> std::result::Result<(DevicePtr, usize), (Error, Self)> {
         let len = self.len;
-        if !self.core.ctx.same(&stream.ctx()) {
+        if !self.core.ctx.same(stream.ctx()) {
             let e = Error::invalid("the buffer belongs to another context than the stream");
             return Err((e, self));
         }
