@@ -1748,8 +1748,10 @@ impl CtxInner {
     /// # Safety
     /// As [`Driver::mem_free_async`].
     unsafe fn free_on(&self, ptr: DevicePtr, stream: &Slot) -> Result<()> {
+        // A free enqueued on a stream whose work was known complete leaves it so: the stream
+        // can be handed on without a query (`Slot::enqueue_free`).
         // SAFETY: the caller's contract.
-        unsafe { self.driver.mem_free_async(ptr, stream.enqueue()) }
+        unsafe { self.driver.mem_free_async(ptr, stream.enqueue_free()) }
     }
 
     /// Frees `ptr`, whose last use was generation `gen` of `slot`, ordered after that use; in

@@ -67,8 +67,10 @@ const FAULT_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 /// Its handle is reached through methods that say what the caller does with it:
 /// [`Slot::observe`] for calls that enqueue nothing (queries, synchronizations, capture
 /// queries, destroy), [`Slot::enqueue`] for the crate's own enqueues, [`Slot::expose`] for a
-/// handle that leaves the crate. That lets the slot know when nothing was enqueued since it
-/// was last seen idle ([`Slot::known_idle`]): then a hand-over needs no driver query.
+/// handle that leaves the crate, and [`Slot::enqueue_free`] for the crate's frees of its own
+/// memory. That lets the slot know when nothing was enqueued since it was last seen idle
+/// ([`Slot::known_idle`]), or nothing but frees ([`Slot::settled`]): then a hand-over needs no
+/// driver query.
 #[derive(Debug)]
 pub(crate) struct Slot {
     raw: Stream,
@@ -93,6 +95,9 @@ pub(crate) struct Slot {
     /// `n + 1` when everything enqueued up to the `n`th enqueue is known to have completed (0:
     /// nothing known): the stream is idle while `enqueued` is still `n`.
     quiet: AtomicU64,
+    /// As `quiet`, but frees of the crate's memory ([`Slot::enqueue_free`]) enqueued while it
+    /// was current leave it current: the stream may be handed on with such frees pending.
+    quiet_but_frees: AtomicU64,
     /// The latest generation whose handle left the crate ([`Slot::expose`]): work may be
     /// enqueued through it unseen, so no completion seen in that generation makes the stream
     /// known idle (only a query does).
@@ -238,6 +243,7 @@ impl Slot {
             enqueued: AtomicU64::new(0),
             // Just created: idle.
             quiet: AtomicU64::new(1),
+            quiet_but_frees: AtomicU64::new(1),
             exposed: AtomicU64::new(0),
         }
     }
@@ -259,6 +265,24 @@ impl Slot {
     /// is seen completed).
     pub(crate) fn enqueue_counted(&self) -> (Stream, u64) {
         (self.raw, self.enqueued.fetch_add(1, Ordering::SeqCst) + 1)
+    }
+
+    /// The handle, for the crate's free of memory of its own (`cuMemFreeAsync`) and nothing
+    /// else (under the stream's lock, on a stream that can be handed over). A stream whose work (but frees) was known complete stays
+    /// so ([`Slot::settled`]): a pending free reads and writes no memory that anything uses, so
+    /// the stream may be handed to a new owner before it runs (the new owner's work runs after
+    /// it, in stream order), and a buffer last used in the old generation is still right to
+    /// take that generation's work for completed. Only a destroy needs it to have run
+    /// ([`Slot::known_idle`] is not kept).
+    pub(crate) fn enqueue_free(&self) -> Stream {
+        let n = self.enqueued.fetch_add(1, Ordering::SeqCst) + 1;
+        // Current before this free (everything through the `n - 1`th known complete, frees
+        // excepted): current after it. Another enqueue in between, or a later one, leaves it
+        // behind `enqueued`: not current (a query decides).
+        let _ = self
+            .quiet_but_frees
+            .compare_exchange(n, n + 1, Ordering::SeqCst, Ordering::SeqCst);
+        self.raw
     }
 
     /// The handle, leaving the crate in generation `gen` (a `StreamRef::raw`, a loan): from
@@ -288,14 +312,27 @@ impl Slot {
     /// enqueued as the `n`th landed). Ignored if the handle left the crate in `gen`.
     pub(crate) fn completed_through(&self, gen: u64, n: u64) {
         if self.exposed.load(Ordering::SeqCst) < gen {
-            self.quiet.fetch_max(n + 1, Ordering::SeqCst);
+            self.seen_complete(n);
         }
+    }
+
+    /// Everything through the `n`th enqueue has completed (a query, a synchronization).
+    fn seen_complete(&self, n: u64) {
+        self.quiet.fetch_max(n + 1, Ordering::SeqCst);
+        self.quiet_but_frees.fetch_max(n + 1, Ordering::SeqCst);
     }
 
     /// Whether the stream is known idle without asking the driver: nothing was enqueued or
     /// exposed since its work was last seen completed.
     fn known_idle(&self) -> bool {
         self.quiet.load(Ordering::SeqCst) == self.enqueued.load(Ordering::SeqCst) + 1
+    }
+
+    /// Whether the stream can be handed to a new owner without asking the driver: nothing but
+    /// frees of the crate's memory ([`Slot::enqueue_free`]) was enqueued, and nothing exposed,
+    /// since its work was last seen completed.
+    fn settled(&self) -> bool {
+        self.quiet_but_frees.load(Ordering::SeqCst) == self.enqueued.load(Ordering::SeqCst) + 1
     }
 
     /// The handle lent to another crate for this stream: the existing one, or `make()`'s,
@@ -570,15 +607,29 @@ fn shard_count() -> usize {
     2
 }
 
+/// What a retired stream is found idle for ([`is_idle`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum For {
+    /// A new owner: frees of the crate's memory may still be pending ([`Slot::enqueue_free`]).
+    HandOver,
+    /// Its destroy: nothing may be pending (a stream is never destroyed under its work).
+    Destroy,
+}
+
 /// Whether a retired stream can be handed out or destroyed: not captured by a leaked guard, and
-/// its work completed. A failed query (a sticky error) counts as busy: never a guess.
-fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+/// its work completed (for a hand-over, frees of the crate's memory excepted). A failed query (a
+/// sticky error) counts as busy: never a guess.
+fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState, why: For) -> bool {
     if st.capturing || st.destroyed {
         return false;
     }
     // Known idle: no driver call (nothing was enqueued or exposed since the crate saw the
-    // stream's work complete).
-    if slot.known_idle() {
+    // stream's work complete; for a hand-over, nothing but frees).
+    let known = match why {
+        For::HandOver => slot.settled(),
+        For::Destroy => slot.known_idle(),
+    };
+    if known {
         return true;
     }
     // Read before the query: what is enqueued after it is not covered by its answer.
@@ -589,7 +640,7 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
     if idle {
         // Nobody holds the stream (it is retired, or being released): the crate's frees on it
         // take the lock we hold, and a handle given out is no longer valid.
-        slot.quiet.fetch_max(n + 1, Ordering::SeqCst);
+        slot.seen_complete(n);
     }
     idle
 }
@@ -604,7 +655,8 @@ fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
         return false;
     }
     // SAFETY: the stream is live (not destroyed, under its lock we hold) and not captured.
-    unsafe { driver.stream_synchronize(slot.raw) }.is_ok() && is_idle(driver, slot, st)
+    unsafe { driver.stream_synchronize(slot.raw) }.is_ok()
+        && is_idle(driver, slot, st, For::HandOver)
 }
 
 /// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
@@ -627,9 +679,9 @@ pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Resu
         if !unsafe { driver.stream_query(slot.raw) }? {
             return Ok(false);
         }
-        slot.quiet.fetch_max(n + 1, Ordering::SeqCst);
+        slot.seen_complete(n);
     }
-    if !is_idle(driver, slot, &st) {
+    if !is_idle(driver, slot, &st, For::Destroy) {
         return Ok(false);
     }
     // SAFETY: the stream is live, held by nobody, idle and not captured; after the generation
@@ -1457,7 +1509,7 @@ impl Pool {
             // from it below, under the shard's lock still.
             let slot = &list[i];
             let mut st = slot.lock();
-            if !is_idle(driver, slot, &st) && !finish_wake_up(driver, slot, &st) {
+            if !is_idle(driver, slot, &st, For::HandOver) && !finish_wake_up(driver, slot, &st) {
                 continue;
             }
             slot.armed.store(UNARMED, Ordering::Release);
@@ -1580,7 +1632,7 @@ impl Pool {
         let gen = {
             let mut st = slot.lock();
             // The previous owner is gone and its work has completed: a new generation.
-            is_idle(driver, &slot, &st).then(|| st.hand_over())
+            is_idle(driver, &slot, &st, For::HandOver).then(|| st.hand_over())
         };
         let Some(gen) = gen else {
             return Err(slot);
@@ -1676,7 +1728,7 @@ impl Pool {
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
-                if is_idle(driver, slot, &slot.lock()) {
+                if is_idle(driver, slot, &slot.lock(), For::HandOver) {
                     idle += 1;
                 } else {
                     busy += 1;

@@ -103,16 +103,18 @@ fn an_exposed_handle_makes_the_hand_over_ask_the_driver() {
     assert!(queries(&sim) > 0);
 }
 
-/// A free enqueued on the stream after the `synchronize` (a buffer last used there, dropped
-/// before the owner) makes the release ask the driver again.
+/// Work enqueued on the stream after the `synchronize` (a memset of a buffer, then the buffer's
+/// free) makes the release ask the driver again. (A free alone does not:
+/// `a_free_after_the_last_synchronize_needs_no_query_at_the_hand_over`.)
 #[test]
 fn an_enqueue_after_the_synchronize_makes_the_hand_over_ask_the_driver() {
     let (sim, ctx) = sim();
     let o = ctx.owner();
     let s = o.stream().unwrap();
-    let buf = DeviceBuffer::from_slice(&s, &[1u32; 16]).unwrap();
+    let mut buf = DeviceBuffer::from_slice(&s, &[1u32; 16]).unwrap();
     s.synchronize().unwrap();
-    drop(buf); // frees on the stream: an enqueue after the synchronize
+    buf.fill(&s, 7).unwrap(); // a memset: work after the synchronize
+    drop(buf); // and its free
     drop(s);
     sim.clear_calls();
     drop(o);
@@ -135,6 +137,42 @@ fn a_completion_covers_only_the_work_before_it() {
     ctx.owner().stream().unwrap();
     assert!(queries(&sim) > 0, "{:?}", sim.calls());
     drop(buf);
+}
+
+/// A free of the crate's memory enqueued after the crate saw the stream's work complete leaves
+/// the stream known idle for a hand-over (its work touches no memory in use, and the next owner's
+/// work runs after it): the seed's short task (upload, read back, free) hands its stream on
+/// without `cuStreamQuery` (issue 22: that query and its capture-mode pair were the three driver
+/// calls by which an owner per task exceeded the thread's own stream). Other work still makes
+/// the hand-over ask (`an_enqueue_after_the_synchronize_makes_the_hand_over_ask_the_driver`), an
+/// allocation too (a buffer that outlives its owner must not take a pending allocation for done).
+#[test]
+fn a_free_after_the_last_synchronize_needs_no_query_at_the_hand_over() {
+    let (sim, ctx) = sim();
+    let task = || {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let b = DeviceBuffer::from_slice(&s, &[1u32; 64]).unwrap();
+        assert_eq!(b.to_vec(&s).unwrap(), vec![1; 64]);
+        drop(b); // the free, after the read-back's synchronize
+    };
+    task();
+    sim.clear_calls();
+    task();
+    assert_eq!(queries(&sim), 0, "{:?}", sim.calls());
+    // An allocation after the synchronize is work: the next hand-over asks.
+    let kept = {
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        s.synchronize().unwrap();
+        DeviceBuffer::<u32>::alloc(&s, 64).unwrap()
+    };
+    sim.clear_calls();
+    ctx.owner().stream().unwrap();
+    assert!(queries(&sim) > 0, "{:?}", sim.calls());
+    drop(kept);
+    assert_eq!(ctx.stats().created, 1);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
 /// The driver calls of the seed's short task (an owner, a 4 KiB upload, a read-back, the
@@ -181,8 +219,9 @@ fn driver_calls_per_task_do_not_grow() {
     );
 }
 
-/// Measured 2026-12-03: the acquisition's query (the previous task's free came after its last
-/// synchronize, so the stream is not known idle) with its mode pair (3), the allocation with
+/// Measured 2026-12-03: the acquisition's query (the previous owner, `alloc_free`'s, allocated
+/// after the stream was last seen idle: work, so the stream is not known idle; a task's own free
+/// after its read-back no longer asks, since 2026-12-06) with its mode pair (3), the allocation with
 /// its pair (3), two blocking copies with their context switch and synchronize (8 each), the
 /// free with its pair (3).
 const TASK_CALLS: usize = 23;

@@ -179,7 +179,6 @@ fn a_shared_capture_guard_keeps_its_owner_after_its_rc_and_reference_are_gone() 
 // Probes review 14 (d618eb9): `mem::forget` of a shared reference (or of a guard holding one)
 // leaks the owner rather than letting it go while the forgotten pointers exist.
 #[test]
-#[cfg_attr(miri, ignore = "leaks an owner on purpose (Miri's leak check)")]
 fn a_forgotten_shared_reference_leaks_its_owner_instead_of_freeing_it() {
     let (_sim, ctx) = sim_ctx();
     let owner = Rc::new(ctx.owner());

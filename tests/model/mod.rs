@@ -1854,10 +1854,11 @@ impl Model {
         }
     }
 
-    /// A stream just handed to an owner has no pending work.
+    /// A stream just handed to an owner has no pending work but frees of the crate's memory
+    /// (which the crate may leave pending: `Slot::enqueue_free`).
     fn check_fresh(&self, s: &StreamRef) {
         assert!(
-            !self.sim.is_busy(s.model_handle()),
+            !self.sim.is_busy_but_frees(s.model_handle()),
             "a busy stream was handed out"
         );
     }

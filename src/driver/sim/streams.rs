@@ -801,6 +801,35 @@ impl SimDriver {
             .is_some_and(|s| !s.queue.is_empty())
     }
 
+    /// [`SimDriver::is_busy`], not counting frees (`cuMemFreeAsync`): whether work that may
+    /// read or write memory is pending. The crate hands a stream to a new owner with its own
+    /// frees still pending (their work touches no memory in use; the new owner's work runs
+    /// after them), never with anything else.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::{Driver, SimDriver}, Context, DeviceBuffer};
+    /// # use std::sync::Arc;
+    /// # let sim = Arc::new(SimDriver::new());
+    /// # let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// # let owner = ctx.owner();
+    /// # let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<u32>::zeroed(&s, 16).unwrap();
+    /// sim.enqueue_work(s.raw(), 1_000).unwrap();     // 1 µs of simulated work
+    /// drop(b);                                        // a free, behind it
+    /// assert!(sim.is_busy_but_frees(s.raw()));        // the work is pending
+    /// sim.advance(1_000);
+    /// assert!(!sim.is_busy_but_frees(s.raw()) && !sim.is_busy(s.raw()));
+    /// ```
+    pub fn is_busy_but_frees(&self, stream: Stream) -> bool {
+        let mut st = self.lock();
+        self.progress(&mut st);
+        st.streams.get(&stream.0).is_some_and(|s| {
+            s.queue
+                .iter()
+                .any(|op| !matches!(op.kind, OpKind::Effect(Effect::Free { .. })))
+        })
+    }
+
     /// Whether a stream exists (created and not destroyed).
     ///
     /// ```
