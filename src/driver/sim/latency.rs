@@ -120,6 +120,31 @@ impl SimDriver {
             .map_or_else(|| self.copy_ns.load(Ordering::Relaxed), |l| l.copy_gpu)
     }
 
+    /// Gives every later `cuMemFreeAsync` `ns` of GPU time under the manual clock; 0, the
+    /// default, completes a free as soon as it starts. Opt-in, for tests that need a free still
+    /// pending on an otherwise idle stream (as on a real GPU, where a free is stream work).
+    ///
+    /// ```
+    /// # use cuda_stream_pool::driver::{Driver, SimDriver};
+    /// # use cuda_stream_pool::{Context, DeviceBuffer};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// sim.set_free_time(1_000);
+    /// let drv: Arc<dyn Driver> = sim.clone();
+    /// let ctx = Context::primary(drv, 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// let b = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    /// s.synchronize().unwrap();
+    /// drop(b);
+    /// assert!(sim.is_busy(s.raw()) && !sim.is_busy_but_frees(s.raw()));
+    /// sim.advance(1_000);
+    /// assert!(!sim.is_busy(s.raw()));
+    /// ```
+    pub fn set_free_time(&self, ns: u64) {
+        self.free_ns.store(ns, Ordering::Relaxed);
+    }
+
     pub(super) fn cost(&self, pick: impl FnOnce(&Latency) -> u64) {
         if let Some(l) = self.lat() {
             spin(pick(l));

@@ -733,7 +733,7 @@ impl SimDriver {
             &mut st,
             stream,
             OpKind::Effect(Effect::Free { ptr: ptr.0 }),
-            0,
+            self.free_ns.load(Ordering::Relaxed),
             "cuMemFreeAsync",
         );
         if r.is_err() {

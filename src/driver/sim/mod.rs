@@ -260,6 +260,8 @@ pub struct SimDriver {
     host_calls: Mutex<Vec<String>>,
     /// GPU time of a copy under the manual clock ([`SimDriver::set_copy_time`]).
     copy_ns: AtomicU64,
+    /// GPU time of a `cuMemFreeAsync` under the manual clock ([`SimDriver::set_free_time`]).
+    free_ns: AtomicU64,
 }
 
 impl Drop for SimDriver {
@@ -393,6 +395,7 @@ impl SimDriver {
             host_jobs: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
             host_calls: Mutex::new(Vec::new()),
             copy_ns: AtomicU64::new(0),
+            free_ns: AtomicU64::new(0),
         }
     }
 
