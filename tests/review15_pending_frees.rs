@@ -7,7 +7,9 @@
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
-use cuda_stream_pool::{Context, ContextOptions, DeviceBuffer, ErrorCode, Priority, StreamRef};
+use cuda_stream_pool::{
+    Context, ContextOptions, DeviceBuffer, ErrorCode, Priority, StreamRef, MAX_IDLE,
+};
 use std::sync::Arc;
 
 /// GPU time of a free: long against everything else the tests enqueue (0 ns).
@@ -173,6 +175,33 @@ fn stats_idle_counts_only_streams_that_trim_can_destroy() {
         (st.idle, st.retired_busy),
         (trimmed, 1 - trimmed),
         "stats say {st:?}, but trim destroyed {trimmed}"
+    );
+    no_misuse(&sim);
+}
+
+// DEFECT (MAX_IDLE / PoolStats::idle): "every statistics reading reports at most MAX_IDLE idle
+// streams per key" (pool.rs) no longer holds: streams released with only frees pending count idle
+// (hand-over rule) but the reading's trim cannot destroy them (destroy rule).
+#[test]
+fn a_statistics_reading_reports_at_most_max_idle_idle_streams() {
+    let (sim, ctx) = sim();
+    let k = Kernels::load(&ctx).unwrap();
+    let owners: Vec<_> = (0..MAX_IDLE + 8).map(|_| ctx.owner()).collect();
+    let mut bufs = Vec::new();
+    for o in &owners {
+        let s = o.stream().unwrap();
+        let b = DeviceBuffer::from_slice(&s, &[1u32; 8]).unwrap();
+        k.add_u32(&s, &b, 1).unwrap();
+        s.synchronize().unwrap();
+        bufs.push(b);
+    }
+    drop(bufs); // one free pending on each stream
+    drop(owners);
+    let st = ctx.stats();
+    assert!(
+        st.idle <= MAX_IDLE as u64,
+        "{} idle streams in a reading, more than MAX_IDLE = {MAX_IDLE}: {st:?}",
+        st.idle
     );
     no_misuse(&sim);
 }

@@ -858,6 +858,14 @@ impl Model {
         // just before a copy then lands before the copy's data does, not in the same step of the
         // simulation, so a completion enqueued too early is seen (plant (h), docs/testing.md).
         sim.set_copy_time(cuda_stream_pool::driver::sim::Latency::default().copy_gpu);
+        // `CSP_MODEL_FREE_NS`: frees take GPU time too, so that a stream is handed on with its
+        // previous owner's frees still pending (as on a real GPU; review 15). Off by default.
+        if let Some(ns) = std::env::var("CSP_MODEL_FREE_NS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+        {
+            sim.set_free_time(ns);
+        }
         // The model's threads run with another context current (made current without a driver
         // call, so that the calls of the input's operations are those they always were).
         sim.init().expect("init");
