@@ -607,7 +607,8 @@ fn shard_count() -> usize {
     2
 }
 
-/// What a retired stream is found idle for ([`is_idle`]).
+/// What a retired stream is found idle for ([`is_idle`]). A statistics reading counts a stream
+/// idle by the destroy's rule ([`Pool::stats`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum For {
     /// A new owner: frees of the crate's memory may still be pending ([`Slot::enqueue_free`]).
@@ -1728,7 +1729,11 @@ impl Pool {
         let (mut idle, mut busy) = (0, 0);
         for i in 0..self.shards.len() {
             for slot in self.shard(i).iter() {
-                if is_idle(driver, slot, &slot.lock(), For::HandOver) {
+                // Idle: its work has completed, frees included (`For::Destroy`): a stream with
+                // only frees pending could be handed on, but no trim can destroy it yet, so
+                // counting it idle would break `MAX_IDLE`'s bound on a reading and `trim`'s
+                // count (review 15).
+                if is_idle(driver, slot, &slot.lock(), For::Destroy) {
                     idle += 1;
                 } else {
                     busy += 1;
