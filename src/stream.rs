@@ -398,7 +398,10 @@ impl<'a> StreamRef<'a> {
         Ok(())
     }
 
-    /// Whether the stream's work has completed. Runs in relaxed capture mode.
+    /// Whether the stream's work has completed. Runs in relaxed capture mode. A stream just
+    /// handed to a new owner may still report work: its previous owner's frees of the crate's
+    /// memory, which a hand-over does not wait for (they touch no memory in use, and this
+    /// owner's work runs after them); [`StreamRef::synchronize`] waits for them too.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context};
