@@ -231,11 +231,14 @@ fn waiter_benches(c: &mut Criterion) {
         // Time per waiter: queueing behind `n - 1` others and being served.
         g.bench_with_input(BenchmarkId::new("queue_and_serve", n), &n, |b, &n| {
             b.iter_custom(|iters| {
+                // Whole queues of `n`, the time scaled to `iters` waiters (criterion divides
+                // by `iters`).
+                let batches = iters.div_ceil(n as u64);
                 let mut total = Duration::ZERO;
-                for _ in 0..iters.div_ceil(n as u64) {
+                for _ in 0..batches {
                     total += queue_and_serve(&ctx, n);
                 }
-                total
+                total.mul_f64(iters as f64 / (batches * n as u64) as f64)
             })
         });
     }
