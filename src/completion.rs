@@ -54,7 +54,7 @@ pub struct Completion {
     entry: Arc<Entry>,
     /// The stream, the generation and the number of the marker's enqueue: once the marker
     /// landed, the stream's work up to it has completed (see `Slot::completed_through`).
-    marker: Option<(Arc<Slot>, u64, u64)>,
+    marker: Option<(Arc<Slot>, u64, crate::pool::Mark)>,
 }
 
 impl std::fmt::Debug for Completion {
@@ -118,7 +118,7 @@ impl<'a> StreamRef<'a> {
         let hub = self.ctx().inner.hub();
         // The slab's host allocation runs relaxed, the context current: the device rules.
         let _scope = self.ctx().inner.scope();
-        let mut n = 0;
+        let mut n = crate::pool::Mark::default();
         let entry = hub.completion(|dev, seq, bell| {
             // Numbered and enqueued under the stream's lock, as the enqueues of other threads
             // (frees, event records of a buffer's ordering) are: every enqueue numbered before

@@ -89,19 +89,29 @@ pub(crate) struct Slot {
     /// The wake-up host function of the pool's gate on the (retired) stream: [`UNARMED`],
     /// [`ARMED`] (enqueued: one per stream, however many acquisitions wait) or [`RAN`].
     armed: AtomicU8,
-    /// Enqueues through [`Slot::enqueue`] and handles given out by [`Slot::expose`] so far
-    /// (each raises it before the handle is used).
+    /// Enqueues through [`Slot::enqueue`] and [`Slot::enqueue_free`], and handles given out
+    /// by [`Slot::expose`], so far (each raises it before the handle is used).
     enqueued: AtomicU64,
+    /// The same, but frees: the work that a hand-over must see completed.
+    work: AtomicU64,
     /// `n + 1` when everything enqueued up to the `n`th enqueue is known to have completed (0:
     /// nothing known): the stream is idle while `enqueued` is still `n`.
     quiet: AtomicU64,
-    /// As `quiet`, but frees of the crate's memory ([`Slot::enqueue_free`]) enqueued while it
-    /// was current leave it current: the stream may be handed on with such frees pending.
+    /// `w + 1` when everything counted in `work` up to its `w`th is known to have completed:
+    /// the stream may be handed on (with frees still pending) while `work` is still `w`.
     quiet_but_frees: AtomicU64,
     /// The latest generation whose handle left the crate ([`Slot::expose`]): work may be
     /// enqueued through it unseen, so no completion seen in that generation makes the stream
     /// known idle (only a query does).
     exposed: AtomicU64,
+}
+
+/// How many enqueues of a stream were counted at some point: all of them, and those that are
+/// work (not frees). See [`Slot::completed_through`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Mark {
+    all: u64,
+    work: u64,
 }
 
 /// No wake-up host function is pending on the stream.
@@ -242,6 +252,7 @@ impl Slot {
             armed: AtomicU8::new(UNARMED),
             enqueued: AtomicU64::new(0),
             // Just created: idle.
+            work: AtomicU64::new(0),
             quiet: AtomicU64::new(1),
             quiet_but_frees: AtomicU64::new(1),
             exposed: AtomicU64::new(0),
@@ -261,27 +272,24 @@ impl Slot {
         self.enqueue_counted().0
     }
 
-    /// [`Slot::enqueue`], with the enqueue's number (for [`Slot::completed_through`] once it
-    /// is seen completed).
-    pub(crate) fn enqueue_counted(&self) -> (Stream, u64) {
-        (self.raw, self.enqueued.fetch_add(1, Ordering::SeqCst) + 1)
+    /// [`Slot::enqueue`], with the counts that this enqueue completes (for
+    /// [`Slot::completed_through`] once it is seen completed).
+    pub(crate) fn enqueue_counted(&self) -> (Stream, Mark) {
+        let work = self.work.fetch_add(1, Ordering::SeqCst) + 1;
+        let all = self.enqueued.fetch_add(1, Ordering::SeqCst) + 1;
+        (self.raw, Mark { all, work })
     }
 
     /// The handle, for the crate's free of memory of its own (`cuMemFreeAsync`) and nothing
-    /// else (under the stream's lock, on a stream that can be handed over). A stream whose work (but frees) was known complete stays
-    /// so ([`Slot::settled`]): a pending free reads and writes no memory that anything uses, so
+    /// else (under the stream's lock, on a stream that can be handed over). Counted among all
+    /// enqueues, not as work: a stream whose work was known complete stays so
+    /// ([`Slot::settled`]). A pending free reads and writes no memory that anything uses, so
     /// the stream may be handed to a new owner before it runs (the new owner's work runs after
     /// it, in stream order), and a buffer last used in the old generation is still right to
     /// take that generation's work for completed. Only a destroy needs it to have run
-    /// ([`Slot::known_idle`] is not kept).
+    /// ([`Slot::known_idle`] counts it).
     pub(crate) fn enqueue_free(&self) -> Stream {
-        let n = self.enqueued.fetch_add(1, Ordering::SeqCst) + 1;
-        // Current before this free (everything through the `n - 1`th known complete, frees
-        // excepted): current after it. Another enqueue in between, or a later one, leaves it
-        // behind `enqueued`: not current (a query decides).
-        let _ = self
-            .quiet_but_frees
-            .compare_exchange(n, n + 1, Ordering::SeqCst, Ordering::SeqCst);
+        self.enqueued.fetch_add(1, Ordering::SeqCst);
         self.raw
     }
 
@@ -289,37 +297,41 @@ impl Slot {
     /// now on only a query tells that generation's work completed.
     pub(crate) fn expose(&self, gen: u64) -> Stream {
         self.exposed.fetch_max(gen, Ordering::SeqCst);
+        self.work.fetch_add(1, Ordering::SeqCst);
         self.enqueued.fetch_add(1, Ordering::SeqCst);
         self.raw
     }
 
-    /// How many enqueues and exposures were counted so far (see [`Slot::enqueue`]), for a
-    /// caller that holds the stream's lock.
-    fn enqueued(&self) -> u64 {
-        self.enqueued.load(Ordering::SeqCst)
-    }
-
-    /// [`Slot::enqueued`] under the stream's lock: other threads number and make their
-    /// enqueues under it (frees, event records of a buffer's ordering), so every enqueue counted
-    /// in the answer has reached the driver.
-    pub(crate) fn enqueued_settled(&self) -> u64 {
-        let _st = self.lock();
-        self.enqueued()
-    }
-
-    /// Everything enqueued up to [`Slot::enqueued`]'s reading `n`, taken in generation `gen`,
-    /// has completed (a synchronization that began after that reading returned, or a marker
-    /// enqueued as the `n`th landed). Ignored if the handle left the crate in `gen`.
-    pub(crate) fn completed_through(&self, gen: u64, n: u64) {
-        if self.exposed.load(Ordering::SeqCst) < gen {
-            self.seen_complete(n);
+    /// The enqueues and exposures counted so far (see [`Slot::enqueue`]), for a caller that
+    /// holds the stream's lock.
+    fn mark(&self) -> Mark {
+        Mark {
+            all: self.enqueued.load(Ordering::SeqCst),
+            work: self.work.load(Ordering::SeqCst),
         }
     }
 
-    /// Everything through the `n`th enqueue has completed (a query, a synchronization).
-    fn seen_complete(&self, n: u64) {
-        self.quiet.fetch_max(n + 1, Ordering::SeqCst);
-        self.quiet_but_frees.fetch_max(n + 1, Ordering::SeqCst);
+    /// [`Slot::mark`] under the stream's lock: other threads count and make their enqueues
+    /// under it (frees, event records of a buffer's ordering), so every enqueue counted in the
+    /// answer has reached the driver.
+    pub(crate) fn mark_settled(&self) -> Mark {
+        let _st = self.lock();
+        self.mark()
+    }
+
+    /// Everything enqueued up to [`Slot::mark`]'s reading `m`, taken in generation `gen`, has
+    /// completed (a synchronization that began after that reading returned, or a marker whose
+    /// enqueue made `m` landed). Ignored if the handle left the crate in `gen`.
+    pub(crate) fn completed_through(&self, gen: u64, m: Mark) {
+        if self.exposed.load(Ordering::SeqCst) < gen {
+            self.seen_complete(m);
+        }
+    }
+
+    /// Everything counted in `m` has completed (a query, a synchronization).
+    fn seen_complete(&self, m: Mark) {
+        self.quiet.fetch_max(m.all + 1, Ordering::SeqCst);
+        self.quiet_but_frees.fetch_max(m.work + 1, Ordering::SeqCst);
     }
 
     /// Whether the stream is known idle without asking the driver: nothing was enqueued or
@@ -330,9 +342,10 @@ impl Slot {
 
     /// Whether the stream can be handed to a new owner without asking the driver: nothing but
     /// frees of the crate's memory ([`Slot::enqueue_free`]) was enqueued, and nothing exposed,
-    /// since its work was last seen completed.
+    /// since its work was last seen completed (frees enqueued before that seeing or after it
+    /// alike).
     fn settled(&self) -> bool {
-        self.quiet_but_frees.load(Ordering::SeqCst) == self.enqueued.load(Ordering::SeqCst) + 1
+        self.quiet_but_frees.load(Ordering::SeqCst) == self.work.load(Ordering::SeqCst) + 1
     }
 
     /// The handle lent to another crate for this stream: the existing one, or `make()`'s,
@@ -634,7 +647,7 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState, why: For) -> bool {
         return true;
     }
     // Read before the query: what is enqueued after it is not covered by its answer.
-    let n = slot.enqueued();
+    let n = slot.mark();
     // SAFETY: the slot's stream is not destroyed (`destroyed` is false under the lock we hold,
     // and streams are destroyed only under it).
     let idle = unsafe { driver.stream_query(slot.raw) }.unwrap_or(false);
@@ -675,7 +688,7 @@ pub(crate) fn destroy_idle(driver: &dyn Driver, slot: &Slot, wait: bool) -> Resu
         unsafe { driver.stream_synchronize(slot.raw) }?;
         // A failed query is an error here, for the caller to retry (as `is_idle` it would count
         // as busy, and the stream would be left alive for good: a leak at teardown).
-        let n = slot.enqueued();
+        let n = slot.mark();
         // SAFETY: as above.
         if !unsafe { driver.stream_query(slot.raw) }? {
             return Ok(false);

@@ -388,7 +388,7 @@ impl<'a> StreamRef<'a> {
         self.not_capturing("synchronizing")?;
         let d = &*self.ctx().inner.driver;
         // Read before the synchronization: what it covers.
-        let n = self.slot().enqueued_settled();
+        let n = self.slot().mark_settled();
         // SAFETY: the holder that this reference borrows holds the stream: it is live. Relaxed
         // mode: the device rules.
         unsafe { d.stream_synchronize(self.slot().observe()) }?;

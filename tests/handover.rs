@@ -175,6 +175,33 @@ fn a_free_after_the_last_synchronize_needs_no_query_at_the_hand_over() {
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
 
+/// A free enqueued after a completion's marker, before the completion resolves (an async
+/// request's buffer dropped once its read-back is enqueued), does not make the next hand-over
+/// ask either: the marker covers all the work, and frees do not count as work (issue 22: the
+/// async server's request paid the query and its mode pair).
+#[test]
+fn a_free_after_a_completions_marker_needs_no_query_at_the_hand_over() {
+    let (sim, ctx) = sim();
+    let request = || {
+        let o = ctx.owner();
+        let copy = {
+            let s = o.stream().unwrap();
+            let mut b = DeviceBuffer::<u32>::alloc(&s, 64).unwrap();
+            b.fill(&s, 5).unwrap();
+            b.to_vec_async(&s).unwrap()
+            // `b` is freed here, after the copy and its marker
+        };
+        sim.advance(1_000_000);
+        assert_eq!(common::block_on(copy).unwrap(), vec![5; 64]);
+    };
+    request();
+    sim.clear_calls();
+    request();
+    assert_eq!(queries(&sim), 0, "{:?}", sim.calls());
+    assert_eq!(ctx.stats().created, 1);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
+
 /// The driver calls of the seed's short task (an owner, a 4 KiB upload, a read-back, the
 /// owner's release) and of a buffer's allocation and free, counted on the simulated driver once
 /// warm. Fails when they grow: a change that adds a driver call to the hot path must change
