@@ -151,9 +151,22 @@ pub fn run(args: &[String]) -> Res<()> {
     };
     let ctx = Context::primary_with(drv.clone(), 0, opts)?;
     let k = Arc::new(Kernels::load(&ctx)?);
+    // The crate leaves a thread's current context as it found it, so an operation on a thread
+    // where another context (or none) is current makes it current and puts the old one back
+    // (two `cuCtxSetCurrent` per copy, memset or launch). A server's threads serve this context
+    // alone: make it current on each of them once (every mode alike).
+    let bind = {
+        let ctx = ctx.clone();
+        move || {
+            if let Err(e) = ctx.bind() {
+                eprintln!("could not make the context current on a runtime thread: {e}");
+            }
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .max_blocking_threads(workers)
+        .on_thread_start(bind)
         .enable_all()
         .build()?;
     let peak_streams = Arc::new(AtomicU64::new(0));
