@@ -42,8 +42,12 @@ impl Drop for KeepAlive {
     }
 }
 
-/// The tests of this file run one at a time: a state left lingering by one would be torn down by
-/// another's operations (as it should), racing the first test's own checks.
+/// The tests of this file run one at a time, every one of them: a state left lingering by one
+/// would be torn down by another's operations (as it should), racing the first test's own checks.
+/// (Five later tests did not take the lock; CI failed once, on a 2-core machine under load, with
+/// `a_loan_keeps_its_primary_context_until_it_ends_then_everything_is_released` finding its
+/// context still alive: another test's acquisition had taken its ended lingering state and was
+/// tearing it down on its own thread.)
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -236,6 +240,7 @@ thread_local! {
 /// with an unjoined stream (CUDA_ERROR_STREAM_CAPTURE_UNJOINED on the GPU: invalidated).
 #[test]
 fn a_fresh_owner_after_an_escape_refuses_to_join_the_borrowers_capture_of_the_lent_stream() {
+    let _serial = serial();
     let (sim, ctx) = setup();
     let owner = ctx.owner();
     let c = ctx.clone();
@@ -289,6 +294,7 @@ fn a_fresh_owner_after_an_escape_refuses_to_join_the_borrowers_capture_of_the_le
 /// runs and checks that the block was not freed.
 #[test]
 fn teardown_keeps_a_staging_block_whose_copy_is_pending_on_a_lent_stream() {
+    let _serial = serial();
     let (sim, ctx) = setup();
     let o = ctx.owner();
     let s = o.stream().unwrap();
@@ -333,6 +339,7 @@ fn teardown_keeps_a_staging_block_whose_copy_is_pending_on_a_lent_stream() {
 /// the function is safe, and the contract promises no deadlocks.
 #[test]
 fn lend_whose_wrap_lends_the_same_stream_again_returns_without_deadlock() {
+    let _serial = serial();
     let (_sim, ctx) = setup();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -359,6 +366,7 @@ fn lend_whose_wrap_lends_the_same_stream_again_returns_without_deadlock() {
 /// forever although the stream is free.
 #[test]
 fn a_waiter_at_the_cap_is_woken_when_a_parked_loans_last_handle_is_dropped() {
+    let _serial = serial();
     let sim = Arc::new(SimDriver::new());
     let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
     let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
@@ -400,6 +408,7 @@ fn a_waiter_at_the_cap_is_woken_when_a_parked_loans_last_handle_is_dropped() {
 /// a loan is out (or refuse to release it).
 #[test]
 fn teardown_keeps_the_primary_context_retained_while_a_loan_is_out() {
+    let _serial = serial();
     let (sim, ctx) = setup();
     let o = ctx.owner();
     let h = o
