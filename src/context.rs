@@ -1308,6 +1308,16 @@ impl Context {
         self.inner.hub.get().is_none_or(|h| h.poller_cold())
     }
 
+    /// Sets how long the completion poller stays warm with nothing to read (1 ms by default):
+    /// a test that needs it warm gives it hours, so that its verdict does not depend on how
+    /// long the test's thread was descheduled. Not part of the API: for the crate's model
+    /// tests (feature `model-hooks`).
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_set_poller_cold_after(&self, d: std::time::Duration) {
+        self.inner.hub().set_cold_after(d)
+    }
+
     pub(crate) fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }

@@ -243,6 +243,9 @@ pub(crate) struct Hub {
     /// poller is warm (it would otherwise be seen only by the poller's naps, up to a 32nd of its
     /// duration late); one made while others are pending (a server's) gets none.
     pending: AtomicUsize,
+    /// The model's override of [`COLD_AFTER`], in nanoseconds (see [`Hub::cold_after`]).
+    #[cfg(feature = "model-hooks")]
+    cold_after_ns: AtomicU64,
 }
 
 /// The hub's doorbell stream (made on first use, never captured, synchronized and destroyed at
@@ -353,7 +356,30 @@ impl Hub {
             cold: AtomicBool::new(true),
             pending: AtomicUsize::new(0),
             bells: Mutex::new(Bells::default()),
+            #[cfg(feature = "model-hooks")]
+            cold_after_ns: AtomicU64::new(COLD_AFTER.as_nanos() as u64),
         })
+    }
+
+    /// How long the poller stays warm with nothing to read: [`COLD_AFTER`], or what a model
+    /// test set (see [`Hub::set_cold_after`]).
+    fn cold_after(&self) -> Duration {
+        #[cfg(feature = "model-hooks")]
+        return Duration::from_nanos(self.cold_after_ns.load(Ordering::Relaxed));
+        #[cfg(not(feature = "model-hooks"))]
+        COLD_AFTER
+    }
+
+    /// Sets how long the poller stays warm with nothing to read, for tests that need it warm
+    /// (or cold) whatever the machine's load: whether it went cold would otherwise depend on
+    /// how long the test's thread was descheduled. Takes effect at the poller's next look.
+    #[cfg(feature = "model-hooks")]
+    pub(crate) fn set_cold_after(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.cold_after_ns.store(ns, Ordering::Relaxed);
+        if let Some(t) = self.bell.poller.get() {
+            crate::sync::unpark(t);
+        }
     }
 
     /// A new pending completion: takes a slot, has `write` enqueue the GPU's write of the
@@ -617,7 +643,7 @@ impl Hub {
                     if self.stop.load(Ordering::Acquire) {
                         return mine;
                     }
-                    let warm_for = COLD_AFTER.saturating_sub(hot_since.elapsed());
+                    let warm_for = self.cold_after().saturating_sub(hot_since.elapsed());
                     if !warm_for.is_zero() {
                         // Warm: a nap that a new entry (or the teardown's stop) ends early;
                         // the poller goes cold after it if nothing came.
@@ -721,7 +747,7 @@ impl Hub {
                 std::thread::yield_now();
                 continue;
             }
-            if since >= COLD_AFTER {
+            if since >= self.cold_after() {
                 self.cold.store(true, Ordering::Release);
             }
             // Parked only for a single pending entry: the doorbells ring in the order they

@@ -33,6 +33,16 @@ fn setup() -> (Arc<SimDriver>, Context) {
     (sim, ctx)
 }
 
+/// As [`setup`], with a poller that stays warm for an hour once it had something to read
+/// (not 1 ms): whether it went cold between two steps of a test would otherwise depend on how
+/// long the test's thread was descheduled (CI failed once on a loaded 2-core machine: only 13
+/// of 20 attempts found the poller warm within a minute).
+fn setup_warm() -> (Arc<SimDriver>, Context) {
+    let (sim, ctx) = setup();
+    ctx.model_set_poller_cold_after(Duration::from_secs(3600));
+    (sim, ctx)
+}
+
 /// Waits until the poller has called the waker `n` times.
 fn woken(c: &Counting, n: usize) {
     let t = Instant::now();
@@ -600,7 +610,7 @@ fn calls_of_a_completion_made_warm(
 /// per request against 240 µs without (BENCHMARKS.md).
 #[test]
 fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doorbell() {
-    let (sim, ctx) = setup();
+    let (sim, ctx) = setup_warm();
     let (long_owner, o) = (ctx.owner(), ctx.owner());
     // A long completion on another stream, pending throughout (the poller, parked for its
     // doorbell when nothing else is pending, is idle).
@@ -628,7 +638,7 @@ fn a_completion_made_while_the_poller_is_warm_and_another_is_pending_gets_no_doo
 /// made while warm.
 #[test]
 fn a_completion_made_while_the_poller_is_warm_and_none_other_is_pending_gets_a_doorbell() {
-    let (sim, ctx) = setup();
+    let (sim, ctx) = setup_warm();
     let o = ctx.owner();
     let s = o.stream().unwrap();
     let made = calls_of_a_completion_made_warm(&sim, &ctx, &s);
@@ -656,7 +666,7 @@ fn idle_and_warm(ctx: &Context) -> bool {
 /// poller calls the waker before it naps again.
 #[test]
 fn a_warm_poller_never_reports_idle_while_a_completion_without_doorbell_is_unwoken() {
-    let (sim, ctx) = setup();
+    let (sim, ctx) = setup_warm();
     // A long completion pending throughout (with its doorbell, the poller parks for it when
     // nothing else is pending: idle): the completions made while the poller is warm then get
     // none (b8a959b gives one to a completion made while no other is pending).
@@ -787,7 +797,7 @@ fn a_context_dropped_while_its_poller_naps_warm_is_torn_down() {
     let t = Instant::now();
     while warm < 20 {
         assert!(t.elapsed() < HANG, "the poller was never seen warm");
-        let (sim, ctx) = setup();
+        let (sim, ctx) = setup_warm();
         let o = ctx.owner();
         let s = o.stream().unwrap();
         let first = s.completed().unwrap();
