@@ -18,9 +18,11 @@ LAYERS = [
     "pinned",      # page-locked host memory kept for a context's next state
     "hub",         # the completion hub: host-mapped flags, the poller thread, staging memory
     "pool",        # streams, slots, shards, the cap's gate
+    "refs",        # per-shard counts of references to a context's state
     "retry",       # the context's lists of work kept for a later attempt
     "registry",    # one state per (driver, CUDA context): weak references by key
     "context",     # the state of a context: options, pools, teardown
+    "ctx_ref",     # the crate's objects' references to a context's state
     "stream",      # StreamRef, OwnedStream
     "owner",       # owners, priorities, async acquisition
     "memory",      # DeviceBuffer and its uses

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Loom's exhaustive checks of the pool's synchronisation (src/pool/loom_tests.rs): the slot word
-# and the cap's gate, under every interleaving with at most LOOM_MAX_PREEMPTIONS preemptions
-# (default 4: about 100 s of tests on 2 cores, after the build; 3 takes seconds). A build with
+# Loom's exhaustive checks of the pool's synchronisation (src/pool/loom_tests.rs: the slot word
+# and the cap's gate) and of the per-shard references to a context's state (src/refs.rs), under
+# every interleaving with at most LOOM_MAX_PREEMPTIONS preemptions (default 4: about 100 s of tests on 2 cores, after the build; 3 takes seconds). A build with
 # `--cfg loom`, in a target directory of its own (it shares nothing with the normal build).
 set -euo pipefail
 cd "$(dirname "$0")/.."

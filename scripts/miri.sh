@@ -12,7 +12,7 @@ rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly -
 rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' \
   || rustup component add --toolchain nightly miri rust-src
 tests=("$@")
-((${#tests[@]})) || tests=(stream_ref_lifetimes review14_stream_refs review14_slot_arc handover)
+((${#tests[@]})) || tests=(stream_ref_lifetimes review14_stream_refs review14_slot_arc handover ctx_refs)
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 # Isolation off: the simulation reads the clock. Permissive provenance: the simulation's device

@@ -22,7 +22,7 @@
 //! [`StreamRef::begin_capture_with`] to get CUDA's default. Either way the crate's own queries,
 //! synchronizations, allocations and frees run in relaxed mode and invalidate no capture.
 
-use crate::context::Context;
+use crate::ctx_ref::CtxRef;
 use crate::driver::{self, CaptureMode, CaptureStatus};
 use crate::error::{Error, ErrorCode, Result};
 use crate::hostfn::off_host_fn_thread;
@@ -255,7 +255,7 @@ impl<'a> CaptureGuard<'a> {
     pub fn end(mut self) -> Result<Graph> {
         let (raw, uses) = self.finish();
         Ok(Graph {
-            ctx: self.stream.ctx().clone(),
+            ctx: CtxRef::new(self.stream.ctx()),
             raw: raw?,
             uses,
         })
@@ -267,7 +267,7 @@ impl Drop for CaptureGuard<'_> {
         if !self.done {
             if let (Ok(raw), uses) = self.finish() {
                 drop(Graph {
-                    ctx: self.stream.ctx().clone(),
+                    ctx: CtxRef::new(self.stream.ctx()),
                     raw,
                     uses,
                 });
@@ -280,7 +280,7 @@ impl Drop for CaptureGuard<'_> {
 /// [`CaptureGuard`] for an example.
 #[must_use = "a graph is destroyed when dropped"]
 pub struct Graph {
-    ctx: Context,
+    ctx: CtxRef,
     raw: driver::Graph,
     uses: Vec<CapturedUse>,
 }
@@ -397,7 +397,7 @@ impl Drop for Graph {
 /// assert_eq!(x.to_vec(&s).unwrap(), vec![3; 8]);    // ordered after the launch
 /// ```
 pub struct GraphExec {
-    ctx: Context,
+    ctx: CtxRef,
     raw: driver::GraphExec,
     uses: Vec<CapturedUse>,
 }

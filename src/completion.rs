@@ -30,6 +30,7 @@
 //! [`HostCopy`]), so nothing is freed early and nothing waits.
 
 use crate::context::Context;
+use crate::ctx_ref::CtxRef;
 use crate::error::{Error, Result};
 use crate::hub::{Entry, Staging};
 use crate::memory::{DeviceBuffer, DeviceCopy};
@@ -50,7 +51,7 @@ use std::task::{Context as TaskCx, Poll};
 /// the context, is kept until then).
 #[must_use = "a completion does nothing unless awaited"]
 pub struct Completion {
-    ctx: Context,
+    ctx: CtxRef,
     entry: Arc<Entry>,
     /// The stream, the generation and the number of the marker's enqueue: once the marker
     /// landed, the stream's work up to it has completed (see `Slot::completed_through`).
@@ -146,7 +147,7 @@ impl<'a> StreamRef<'a> {
             Ok(recorded)
         })?;
         Ok(Completion {
-            ctx: self.ctx().clone(),
+            ctx: CtxRef::new(self.ctx()),
             entry,
             marker: Some((self.slot_arc(), self.gen, n)),
         })

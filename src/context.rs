@@ -8,6 +8,7 @@ use crate::driver::{
 };
 use crate::error::{Error, Result};
 use crate::pool::{destroy_idle, Loan, Mode, Pool, PoolStats, Slot};
+use crate::refs::Refs;
 use crate::registry::{Key, Registry};
 use crate::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -408,6 +409,8 @@ pub(crate) struct CtxInner {
     /// unload before that would have to wait with `cuCtxSynchronize`, which invalidates every
     /// capture in progress on the context, relaxed mode or not.)
     modules: Mutex<Vec<(usize, driver::Module)>>,
+    /// User handles and the crate's objects counted per shard (see `refs.rs`, `ctx_ref.rs`).
+    pub(crate) refs: Refs,
 }
 
 /// The crate's state for one CUDA context: the stream pools (one per (priority, flags) key), the
@@ -450,7 +453,6 @@ pub(crate) struct CtxInner {
 /// let buf = DeviceBuffer::from_slice(&oa.stream().unwrap(), &[1u32, 2]).unwrap();
 /// assert_eq!(buf.to_vec(&ob.stream().unwrap()).unwrap(), vec![1, 2]); // one state: usable
 /// ```
-#[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<CtxInner>,
     /// Which user of the state this is: every constructor call that makes or joins a state is
@@ -466,10 +468,46 @@ static NEXT_USER: AtomicU64 = AtomicU64::new(1);
 impl Context {
     /// A new user of `inner`.
     fn user_of(inner: Arc<CtxInner>) -> Context {
-        Context {
-            inner,
-            user: NEXT_USER.fetch_add(1, Ordering::Relaxed),
-        }
+        Context::from_parts(inner, NEXT_USER.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A handle of user `user` that holds the strong reference `inner` (counted as a handle).
+    fn from_parts(inner: Arc<CtxInner>, user: u64) -> Context {
+        inner.refs.handle_made();
+        Context { inner, user }
+    }
+
+    /// The handle's strong reference and user, the handle uncounted (as if dropped).
+    fn into_parts(self) -> (Arc<CtxInner>, u64) {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the field is read once from a value that is never dropped.
+        let inner = unsafe { std::ptr::read(&me.inner) };
+        give_up_shards(&inner);
+        (inner, me.user)
+    }
+}
+
+/// A user handle of `inner` is gone (its strong reference, `inner`, still held): drops the
+/// strong references that the state's shards gave up, if it was the last (see `refs.rs`).
+fn give_up_shards(inner: &Arc<CtxInner>) {
+    for _ in 0..inner.refs.handle_dropped() {
+        // SAFETY: a shard's strong reference, taken by `CtxRef::new` with this pointer and
+        // given up once (its `HOLDS` cleared by the handle's drop); `inner` is still held, so
+        // the count stays above zero here.
+        unsafe { Arc::decrement_strong_count(Arc::as_ptr(inner)) };
+    }
+}
+
+impl Clone for Context {
+    fn clone(&self) -> Context {
+        Context::from_parts(self.inner.clone(), self.user)
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Before the handle's own strong reference (the field, dropped after this).
+        give_up_shards(&self.inner);
     }
 }
 
@@ -640,12 +678,12 @@ impl Context {
         if made.inner.options.isolated {
             return Ok(made);
         }
-        let user = made.user;
-        let (inner, registered, later) = STATES.register(key, made.inner, CtxInner::joinable);
+        let (made, user) = made.into_parts();
+        let (inner, registered, later) = STATES.register(key, made, CtxInner::joinable);
         // Outside the registry's lock: the state that lost the race is torn down here.
         drop(later);
         if registered {
-            Ok(Context { inner, user })
+            Ok(Context::from_parts(inner, user))
         } else {
             Self::join(inner, options, None)
         }
@@ -871,6 +909,7 @@ impl Context {
             last_probe: AtomicU64::new(0),
             hub: OnceLock::new(),
             modules: Mutex::new(Vec::new()),
+            refs: Refs::new(crate::pool::shard_count()),
         })))
     }
 
@@ -2031,6 +2070,7 @@ impl CtxInner {
             last_probe: AtomicU64::new(0),
             hub: self.hub.take().map(OnceLock::from).unwrap_or_default(),
             modules: Mutex::new(std::mem::take(self.modules.get_mut())),
+            refs: Refs::new(1),
         };
         self.torn_down = true;
         moved

@@ -3,6 +3,7 @@
 //! kernels by name.
 
 use crate::context::Context;
+use crate::ctx_ref::CtxRef;
 use crate::driver::{Function, Module};
 use crate::error::{Error, Result};
 use crate::memory::{BufferUse, DeviceBuffer};
@@ -37,7 +38,7 @@ const BLOCK: u32 = 256;
 /// for the whole context with `cuCtxSynchronize`, which invalidates every capture in progress on
 /// it, in any thread and any mode.)
 pub struct Kernels {
-    ctx: Context,
+    ctx: CtxRef,
     module: Module,
     add_one: Function,
     sum: Function,
@@ -94,7 +95,7 @@ impl Kernels {
         // SAFETY: the module is loaded and stays loaded while the context's state lives.
         let get = |name: &CStr| unsafe { d.module_get_function(module, name) };
         Ok(Kernels {
-            ctx: ctx.clone(),
+            ctx: CtxRef::new(ctx),
             module,
             add_one: get(c"csp_add_one_f32")?,
             sum: get(c"csp_sum_f32")?,

@@ -220,6 +220,7 @@
 mod capture;
 mod completion;
 mod context;
+mod ctx_ref;
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub mod cudarc;
@@ -234,6 +235,7 @@ mod memory;
 mod owner;
 mod pinned;
 mod pool;
+mod refs;
 mod registry;
 mod retry;
 mod stream;

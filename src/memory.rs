@@ -18,6 +18,7 @@
 //!   host copies (a captured copy would read or write host memory on every launch).
 
 use crate::context::Context;
+use crate::ctx_ref::CtxRef;
 use crate::driver::DevicePtr;
 use crate::error::{Error, Result};
 use crate::hostfn::off_host_fn_thread;
@@ -67,7 +68,7 @@ fn thread_tag() -> u64 {
 /// The allocation and its last use, shared by the [`DeviceBuffer`] and the graphs whose work
 /// uses it; freed (ordered) when the last of them is gone.
 pub(crate) struct BufCore {
-    ctx: Context,
+    ctx: CtxRef,
     ptr: DevicePtr,
     bytes: usize,
     last: Mutex<LastUse>,
@@ -409,7 +410,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     fn owning(stream: &StreamRef<'_>, ptr: DevicePtr, bytes: usize, len: usize) -> Self {
         DeviceBuffer {
             core: Arc::new(BufCore {
-                ctx: stream.ctx().clone(),
+                ctx: CtxRef::new(stream.ctx()),
                 ptr,
                 bytes,
                 last: Mutex::new(LastUse {

@@ -3,6 +3,7 @@
 //! below owners in the layering).
 
 use crate::context::{Context, PoolKey, Priority};
+use crate::ctx_ref::CtxRef;
 use crate::driver::stream_flags;
 use crate::error::{Error, Result};
 use crate::pool::{Mode, Slot, Ticket};
@@ -65,7 +66,7 @@ impl Inner {
 /// ```
 #[must_use = "an owner gives its streams back when dropped"]
 pub struct Owner {
-    ctx: Context,
+    ctx: CtxRef,
     flags: u32,
     inner: RefCell<Inner>,
 }
@@ -113,7 +114,7 @@ impl Owner {
             .resolve(Priority::Normal)
             .unwrap_or(ctx.inner.range.least);
         Owner {
-            ctx: ctx.clone(),
+            ctx: CtxRef::new(ctx),
             flags,
             inner: RefCell::new(Inner {
                 held: SmallVec::new(),

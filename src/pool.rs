@@ -589,7 +589,7 @@ pub(crate) fn forget_home() {
     let _ = HOME.try_with(|h| h.set(usize::MAX));
 }
 
-fn home_index() -> usize {
+pub(crate) fn home_index() -> usize {
     HOME.try_with(|h| {
         let mut v = h.get();
         if v == usize::MAX {
@@ -603,7 +603,7 @@ fn home_index() -> usize {
 }
 
 #[cfg(not(loom))]
-fn shard_count() -> usize {
+pub(crate) fn shard_count() -> usize {
     // Asked once per process: `available_parallelism` reads the cgroup's quota from files (1.9 %
     // of the fuzzer's time, which makes a pool per input).
     static SHARDS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -616,7 +616,7 @@ fn shard_count() -> usize {
 /// Two shards under loom: a search still steals from a shard other than the home one, with
 /// fewer locks for loom to interleave.
 #[cfg(loom)]
-fn shard_count() -> usize {
+pub(crate) fn shard_count() -> usize {
     2
 }
 

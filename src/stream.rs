@@ -7,6 +7,7 @@
 //! only ever changed by the one thread that holds it.
 
 use crate::context::{Context, Priority};
+use crate::ctx_ref::CtxRef;
 use crate::driver::{self, stream_flags, HostFn};
 use crate::error::{Error, Result};
 use crate::hostfn::{host_fn, off_host_fn_thread};
@@ -529,7 +530,7 @@ impl<'a> StreamRef<'a> {
 #[derive(Debug)]
 #[must_use = "the stream is synchronized and destroyed when dropped"]
 pub struct OwnedStream {
-    ctx: Context,
+    ctx: CtxRef,
     slot: Arc<Slot>,
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -570,7 +571,7 @@ impl OwnedStream {
         let p = ctx.inner.range.resolve(priority)?;
         let raw = ctx.inner.driver.stream_create(flags, p)?;
         Ok(OwnedStream {
-            ctx: ctx.clone(),
+            ctx: CtxRef::new(ctx),
             slot: Arc::new(Slot::new(raw, p, flags)),
             _not_sync: PhantomData,
         })

@@ -1,0 +1,338 @@
+//! The crate's own references to a context's state, counted per shard, so that the objects a
+//! thread makes and drops all the time (owners, buffers, completions) never write a cache line
+//! that every thread writes.
+//!
+//! A state lives behind an `Arc`. The user's [`Context`](crate::Context) values each hold a
+//! strong reference, as before, and are also counted in [`Refs::handles`]. The crate's objects
+//! (`CtxRef`, in `context.rs`) hold none of their own: each is counted in one shard's word
+//! (`owners << 1 | HOLDS`), and a shard with owners holds one strong reference for all of them
+//! (`HOLDS`). The shard keeps that reference when its last owner goes, while user handles exist
+//! (the next owner on the shard then writes nothing shared); the last handle's drop gives up
+//! the references of the shards without owners ([`Refs::handle_dropped`]), and from then on a
+//! shard gives its reference up when its last owner goes ([`Refs::exit`]). So the state's
+//! teardown (the `Arc`'s last drop) still comes once neither a handle nor an object is left.
+//!
+//! **Invariant** (what makes a `CtxRef` sound): while a shard counts an owner, it holds a
+//! strong reference. `HOLDS` is cleared only by a compare-exchange from exactly `HOLDS` (no
+//! owner), and an owner is counted before the shard's reference is taken.
+//!
+//! **No leak**: the last handle's drop writes `handles` then, after a `SeqCst` fence, reads
+//! every shard; an owner's exit writes its shard then, after a `SeqCst` fence, reads `handles`.
+//! Of the two, at least one sees the other's write (the fences' total order), and it gives the
+//! shard's reference up. A handle made again later (from an object's [`Context`], or by the
+//! registry) only defers this to its own drop. Checked under every interleaving by loom
+//! (`scripts/loom.sh`, the tests below).
+use crate::sync::atomic::{fence, AtomicUsize, Ordering};
+use crossbeam_utils::CachePadded;
+
+/// The shard holds a strong reference to the state.
+const HOLDS: usize = 1;
+/// One owner counted in a shard's word.
+const ONE: usize = 2;
+
+/// The counts of one state (see the module docs).
+pub(crate) struct Refs {
+    /// User handles (`Context` values) alive.
+    handles: CachePadded<AtomicUsize>,
+    /// Per shard: `owners << 1 | HOLDS`.
+    shards: Box<[CachePadded<AtomicUsize>]>,
+}
+
+impl Refs {
+    /// Counts for a state with no handle yet, with `shards` shards (a power of two).
+    pub(crate) fn new(shards: usize) -> Refs {
+        Refs {
+            handles: CachePadded::new(AtomicUsize::new(0)),
+            shards: (0..shards.max(1))
+                .map(|_| CachePadded::new(AtomicUsize::new(0)))
+                .collect(),
+        }
+    }
+
+    /// A user handle was made (the caller holds a strong reference of its own for it).
+    pub(crate) fn handle_made(&self) {
+        self.handles.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A user handle is being dropped (its strong reference is still held): returns how many
+    /// strong references the shards gave up, which the caller drops (before its own).
+    pub(crate) fn handle_dropped(&self) -> usize {
+        if self.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return 0;
+        }
+        // Pairs with the fence in `exit` (see the module docs).
+        fence(Ordering::SeqCst);
+        self.shards
+            .iter()
+            .filter(|s| {
+                s.compare_exchange(HOLDS, 0, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            })
+            .count()
+    }
+
+    /// Counts an owner in shard `shard` (any number: taken modulo the shards) and returns the
+    /// shard to give to [`Refs::exit`]. `take` adds one strong reference and `give_back` drops
+    /// one; the caller holds a strong reference (directly or through an owner counted here)
+    /// throughout, so `give_back` never drops the last.
+    pub(crate) fn enter(
+        &self,
+        shard: usize,
+        take: impl FnOnce(),
+        give_back: impl FnOnce(),
+    ) -> usize {
+        let i = shard & (self.shards.len() - 1);
+        let s = &self.shards[i];
+        if s.fetch_add(ONE, Ordering::AcqRel) & HOLDS == 0 {
+            // No reference yet (or one being taken by another owner's entry on this shard):
+            // take one; if that other entry set `HOLDS` first, ours is one too many.
+            take();
+            if s.fetch_or(HOLDS, Ordering::AcqRel) & HOLDS != 0 {
+                give_back();
+            }
+        }
+        i
+    }
+
+    /// An owner of `shard` is gone: whether the caller must drop one strong reference (the
+    /// shard's: no owner is left and no user handle), after it stops using the state.
+    pub(crate) fn exit(&self, shard: usize) -> bool {
+        let s = &self.shards[shard];
+        if s.fetch_sub(ONE, Ordering::AcqRel) != ONE | HOLDS {
+            return false;
+        }
+        // Pairs with the fence in `handle_dropped` (see the module docs).
+        fence(Ordering::SeqCst);
+        if self.handles.load(Ordering::Relaxed) != 0 {
+            return false;
+        }
+        s.compare_exchange(HOLDS, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Owners counted over all shards (a reading: exact only when nothing moves), for tests.
+    #[cfg(all(test, not(loom)))]
+    fn owners(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed) >> 1)
+            .sum()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// A strong count of the tests: `take` adds one, `drop_one` drops one.
+    struct Strong(Cell<usize>);
+    impl Strong {
+        fn take(&self) {
+            self.0.set(self.0.get() + 1)
+        }
+        fn drop_one(&self) {
+            assert!(self.0.get() > 0, "a strong reference dropped twice");
+            self.0.set(self.0.get() - 1)
+        }
+    }
+
+    #[test]
+    fn a_shard_keeps_its_reference_while_a_handle_lives_and_gives_it_up_after() {
+        let r = Refs::new(4);
+        let strong = Strong(Cell::new(1)); // the handle's
+        r.handle_made();
+        let a = r.enter(1, || strong.take(), || strong.drop_one());
+        assert_eq!(
+            strong.0.get(),
+            2,
+            "the shard took a reference for its first owner"
+        );
+        assert!(
+            !r.exit(a),
+            "a shard without owners keeps its reference while a handle lives"
+        );
+        let b = r.enter(1, || strong.take(), || strong.drop_one());
+        assert_eq!(strong.0.get(), 2, "the next owner of the shard takes none");
+        assert_eq!(r.owners(), 1);
+        assert_eq!(
+            r.handle_dropped(),
+            0,
+            "a shard with an owner keeps its reference"
+        );
+        strong.drop_one(); // the handle's own
+        assert_eq!(strong.0.get(), 1);
+        assert!(
+            r.exit(b),
+            "the last owner gives the shard's reference up once no handle lives"
+        );
+        strong.drop_one();
+        assert_eq!(strong.0.get(), 0);
+    }
+
+    #[test]
+    fn the_last_handle_gives_up_the_references_of_shards_without_owners() {
+        let r = Refs::new(4);
+        let strong = Strong(Cell::new(1));
+        r.handle_made();
+        for shard in [0, 1, 2, 5] {
+            let i = r.enter(shard, || strong.take(), || strong.drop_one());
+            assert!(!r.exit(i));
+        }
+        assert_eq!(
+            strong.0.get(),
+            4,
+            "shards 0, 1, 2 (and 5 = 1) hold one each"
+        );
+        r.handle_made();
+        assert_eq!(r.handle_dropped(), 0, "not the last handle");
+        assert_eq!(r.handle_dropped(), 3);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    //! Every interleaving of owners' entries and exits with the last handle's drop (and a
+    //! handle made again from an owner): the state is never freed while an owner or a handle
+    //! is counted, and it is freed once all are gone (no reference left behind).
+    use super::*;
+    use loom::sync::Arc;
+
+    /// The state's strong count and what is alive, as the tests see them.
+    struct State {
+        refs: Refs,
+        strong: AtomicUsize,
+        /// Owners and handles alive (counted before they are made, uncounted after they go).
+        alive: AtomicUsize,
+    }
+
+    impl State {
+        fn new() -> Arc<State> {
+            let st = State {
+                refs: Refs::new(2),
+                strong: AtomicUsize::new(1),
+                alive: AtomicUsize::new(1),
+            };
+            st.refs.handle_made();
+            Arc::new(st)
+        }
+        fn take(&self) {
+            assert!(
+                self.strong.fetch_add(1, Ordering::AcqRel) > 0,
+                "a freed state revived"
+            );
+        }
+        fn drop_one(&self) {
+            let before = self.strong.fetch_sub(1, Ordering::AcqRel);
+            assert!(before > 0, "a strong reference dropped twice");
+            if before == 1 {
+                assert_eq!(
+                    self.alive.load(Ordering::Acquire),
+                    0,
+                    "the state was freed while an owner or a handle was alive"
+                );
+            }
+        }
+        fn enter(&self, shard: usize) -> usize {
+            self.alive.fetch_add(1, Ordering::AcqRel);
+            self.refs.enter(shard, || self.take(), || self.drop_one())
+        }
+        fn exit(&self, i: usize) {
+            self.alive.fetch_sub(1, Ordering::AcqRel);
+            if self.refs.exit(i) {
+                self.drop_one();
+            }
+        }
+        fn drop_handle(&self) {
+            self.alive.fetch_sub(1, Ordering::AcqRel);
+            for _ in 0..self.refs.handle_dropped() {
+                self.drop_one();
+            }
+            self.drop_one();
+        }
+        fn make_handle(&self) {
+            self.alive.fetch_add(1, Ordering::AcqRel);
+            self.take();
+            self.refs.handle_made();
+        }
+        fn freed(&self) -> bool {
+            self.strong.load(Ordering::Acquire) == 0
+        }
+    }
+
+    #[test]
+    fn loom_refs_last_handle_against_owners_exits() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let b = st.enter(1);
+            let t1 = {
+                let st = st.clone();
+                loom::thread::spawn(move || st.exit(a))
+            };
+            let t2 = {
+                let st = st.clone();
+                loom::thread::spawn(move || st.exit(b))
+            };
+            st.drop_handle();
+            t1.join().unwrap();
+            t2.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    #[test]
+    fn loom_refs_owners_entering_one_shard_while_the_last_handle_drops() {
+        loom::model(|| {
+            let st = State::new();
+            // An owner that outlives the handle makes two more on one shard (its thread's).
+            let a = st.enter(0);
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    let b = st.enter(1);
+                    st.exit(a);
+                    let c = st.enter(1);
+                    st.exit(b);
+                    st.exit(c);
+                })
+            };
+            // A second handle, whose thread's first entry races with `t`'s on shard 1.
+            st.make_handle();
+            let u = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    let d = st.enter(1);
+                    st.drop_handle();
+                    st.exit(d);
+                })
+            };
+            st.drop_handle();
+            t.join().unwrap();
+            u.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    #[test]
+    fn loom_refs_a_handle_made_again_from_an_owner() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    // `owner.context().clone()`, then an owner of it, then both dropped.
+                    st.make_handle();
+                    let b = st.enter(0);
+                    st.exit(a);
+                    st.drop_handle();
+                    st.exit(b);
+                })
+            };
+            st.drop_handle();
+            t.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+}

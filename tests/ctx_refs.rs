@@ -1,0 +1,135 @@
+//! The crate's objects hold their context through per-shard counts (`src/refs.rs`,
+//! `src/ctx_ref.rs`), not the `Arc`'s shared count: a state lives while a user handle or an
+//! object lives (on any thread, dropped on any other), is torn down once after the last of
+//! them, and a handle made again from an object's context keeps it as any handle does. Each
+//! test observes the teardown through the simulation (the primary context's release, and
+//! nothing left).
+
+mod common;
+
+use cuda_stream_pool::driver::sim::SimDriver;
+use cuda_stream_pool::{Context, DeviceBuffer, Owner};
+use std::sync::Arc;
+
+fn setup() -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    (sim, ctx)
+}
+
+/// Owners made on eight threads (eight shards) outlive every handle and are dropped on other
+/// threads than their own, in turn: the state stays usable until the last goes, then is torn
+/// down once.
+#[test]
+fn objects_made_and_dropped_on_many_threads_keep_the_state_until_the_last_goes() {
+    let (sim, ctx) = setup();
+    let owners: Vec<Owner> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..8)
+            .map(|_| {
+                let ctx = &ctx;
+                sc.spawn(move || {
+                    // Owners that come and go on this thread first (the shard keeps its
+                    // reference while the handle lives), then one that stays.
+                    for _ in 0..3 {
+                        let o = ctx.owner();
+                        o.stream().unwrap();
+                    }
+                    let o = ctx.owner();
+                    o.stream().unwrap();
+                    o
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let before = common::primary_releases(&sim);
+    drop(ctx);
+    let mut owners = owners;
+    while let Some(o) = owners.pop() {
+        assert_eq!(
+            common::primary_releases(&sim),
+            before,
+            "the state was torn down with {} owners alive",
+            owners.len() + 1
+        );
+        // Still usable: a buffer on the owner's stream, read back.
+        let s = o.stream().unwrap();
+        let b = DeviceBuffer::from_slice(&s, &[owners.len() as u32]).unwrap();
+        assert_eq!(b.to_vec(&s).unwrap(), vec![owners.len() as u32]);
+        drop((b, s));
+        std::thread::spawn(move || drop(o)).join().unwrap();
+    }
+    common::await_teardown(&sim, before);
+    assert_eq!(common::primary_releases(&sim), before + 1);
+    common::assert_clean(&sim);
+}
+
+/// A handle cloned from an owner's context after every other handle is gone keeps the state
+/// as any handle does, after the owner goes too; new owners of it work; its drop tears down.
+#[test]
+fn a_handle_cloned_from_an_objects_context_keeps_the_state() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    o.stream().unwrap();
+    drop(ctx);
+    let again = o.context().clone();
+    drop(o);
+    let before = common::primary_releases(&sim);
+    let o2 = again.owner();
+    let s = o2.stream().unwrap();
+    let b = DeviceBuffer::from_slice(&s, &[7u32; 4]).unwrap();
+    assert_eq!(b.to_vec(&s).unwrap(), vec![7; 4]);
+    drop((b, s));
+    drop(o2);
+    assert_eq!(
+        common::primary_releases(&sim),
+        before,
+        "the state was torn down under a live handle"
+    );
+    drop(again);
+    common::await_teardown(&sim, before);
+    common::assert_clean(&sim);
+}
+
+/// The process's shared state is joined (not made again) while only an object keeps it: a
+/// second user's `Context::primary` gets the same state, and the state goes after both.
+#[test]
+fn the_shared_state_kept_only_by_an_object_is_joined_by_a_new_user() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    drop(ctx);
+    let joined = Context::primary(sim.clone(), 0).unwrap();
+    assert_eq!(
+        &joined,
+        o.context(),
+        "a second state was made for the context"
+    );
+    let before = common::primary_releases(&sim);
+    drop(joined);
+    assert_eq!(common::primary_releases(&sim), before);
+    drop(o);
+    common::await_teardown(&sim, before);
+    common::assert_clean(&sim);
+}
+
+/// A forgotten object (`mem::forget`) leaks the state: it is never torn down, and nothing of
+/// it is destroyed or freed (its stream and buffer stay alive in the simulation).
+#[test]
+fn a_forgotten_object_leaks_the_state_and_frees_nothing_under_it() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    let b = DeviceBuffer::<u32>::zeroed(&o.stream().unwrap(), 16).unwrap();
+    let before = common::primary_releases(&sim);
+    let streams = sim.counters().live_streams;
+    std::mem::forget(b);
+    drop(o);
+    drop(ctx);
+    assert_eq!(
+        common::primary_releases(&sim),
+        before,
+        "the state of a forgotten buffer was torn down"
+    );
+    let c = sim.counters();
+    assert_eq!(c.live_streams, streams, "{c:?}");
+    assert_eq!(c.live_allocs, 1, "{c:?}");
+}
