@@ -58,9 +58,11 @@ impl Drop for CtxRef {
         let p = Arc::as_ptr(inner);
         if inner.refs.exit(self.shard) {
             // SAFETY: the shard's strong reference, taken in `CtxRef::new` (of this or another
-            // reference of the shard) and given up once (its `HOLDS` cleared by this exit).
-            // Nothing of the state is used after: this may be its last reference (the teardown
-            // runs here).
+            // reference of the shard) and given up once (its `HOLDS` cleared by this exit). `p`
+            // was taken before the exit: once the exit's compare-exchange has uncounted this
+            // reference, another thread may free the state (whatever the exit returned), so
+            // nothing of it is read after; this may be its last reference (the teardown runs
+            // here).
             unsafe { Arc::decrement_strong_count(p) };
         }
     }

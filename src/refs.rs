@@ -4,38 +4,48 @@
 //!
 //! A state lives behind an `Arc`. The user's [`Context`](crate::Context) values each hold a
 //! strong reference, as before, and are also counted in [`Refs::handles`]. The crate's objects
-//! (`CtxRef`, in `context.rs`) hold none of their own: each is counted in one shard's word
-//! (`owners << 1 | HOLDS`), and a shard with owners holds one strong reference for all of them
-//! (`HOLDS`). The shard keeps that reference when its last owner goes, while user handles exist
-//! (the next owner on the shard then writes nothing shared); the last handle's drop gives up
-//! the references of the shards without owners ([`Refs::handle_dropped`]), and from then on a
-//! shard gives its reference up when its last owner goes ([`Refs::exit`]). So the state's
-//! teardown (the `Arc`'s last drop) still comes once neither a handle nor an object is left.
+//! (`CtxRef`, in `ctx_ref.rs`) hold none of their own: each is counted in one shard's word
+//! (`owners << 2 | CLOSING | HOLDS`), and a shard with owners holds one strong reference for all
+//! of them (`HOLDS`). While user handles exist, a shard keeps that reference when its last owner
+//! goes (the next owner on the shard then writes nothing shared). The last handle's drop marks
+//! every shard `CLOSING` ([`Refs::handle_dropped`]), giving up the references of the shards
+//! without owners; a `CLOSING` shard gives its reference up when its last owner goes
+//! ([`Refs::exit`]), and is never sticky again (a handle made again later only makes its
+//! shards' owners take and give up their reference each time). So the state's teardown (the
+//! `Arc`'s last drop) still comes once neither a handle nor an object is left.
 //!
-//! **Invariant** (what makes a `CtxRef` sound): while a shard counts an owner, it holds a
-//! strong reference. `HOLDS` is cleared only by a compare-exchange from exactly `HOLDS` (no
-//! owner), and an owner is counted before the shard's reference is taken.
+//! **No use after the last access.** An owner's exit is one compare-exchange of its shard's word
+//! that both uncounts it and, when it was the last owner of a `CLOSING` shard, takes the shard's
+//! reference for the caller to drop: after it the exit touches nothing of the state, which
+//! another thread may free from then on. (Review 16 found the first version reading `handles`
+//! after its decrement, when nothing kept the state alive any more.) The last handle's drop
+//! marks the shards while its own reference keeps the state alive.
 //!
-//! **No leak**: the last handle's drop writes `handles` then, after a `SeqCst` fence, reads
-//! every shard; an owner's exit writes its shard then, after a `SeqCst` fence, reads `handles`.
-//! Of the two, at least one sees the other's write (the fences' total order), and it gives the
-//! shard's reference up. A handle made again later (from an object's [`Context`], or by the
-//! registry) only defers this to its own drop. Checked under every interleaving by loom
-//! (`scripts/loom.sh`, the tests below).
-use crate::sync::atomic::{fence, AtomicUsize, Ordering};
+//! **Never freed under an owner**: `HOLDS` is cleared only by a compare-exchange that sees no
+//! owner (the last owner's exit, or the marking), and an owner is counted before the shard's
+//! reference is taken. **No leak**: after the last handle's drop every shard is `CLOSING`
+//! (never cleared), so each gives its reference up with its last owner. Checked under every
+//! interleaving by loom (`scripts/loom.sh`; the tests below also fail on an access to the counts
+//! after the state was freed).
+use crate::sync::atomic::{AtomicUsize, Ordering};
 use crossbeam_utils::CachePadded;
 
 /// The shard holds a strong reference to the state.
 const HOLDS: usize = 1;
+/// The last user handle was dropped: the shard's last owner gives its reference up.
+const CLOSING: usize = 2;
 /// One owner counted in a shard's word.
-const ONE: usize = 2;
+const ONE: usize = 4;
 
 /// The counts of one state (see the module docs).
 pub(crate) struct Refs {
     /// User handles (`Context` values) alive.
     handles: CachePadded<AtomicUsize>,
-    /// Per shard: `owners << 1 | HOLDS`.
+    /// Per shard: `owners << 2 | CLOSING | HOLDS`.
     shards: Box<[CachePadded<AtomicUsize>]>,
+    /// Set by the loom tests when the state they model is freed: every access checks it.
+    #[cfg(loom)]
+    freed: std::sync::atomic::AtomicBool,
 }
 
 impl Refs {
@@ -43,32 +53,62 @@ impl Refs {
     pub(crate) fn new(shards: usize) -> Refs {
         Refs {
             handles: CachePadded::new(AtomicUsize::new(0)),
-            shards: (0..shards.max(1))
+            shards: (0..shards.max(1).next_power_of_two())
                 .map(|_| CachePadded::new(AtomicUsize::new(0)))
                 .collect(),
+            #[cfg(loom)]
+            freed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The result of an access to the counts; under loom, fails if the state was freed when
+    /// the access was made (loom runs other threads only at its atomic operations, so nothing
+    /// ran between the access and this check).
+    #[inline]
+    fn at<T>(&self, v: T) -> T {
+        #[cfg(loom)]
+        assert!(
+            !self.freed.load(std::sync::atomic::Ordering::SeqCst),
+            "the state's counts were used after it was freed"
+        );
+        v
     }
 
     /// A user handle was made (the caller holds a strong reference of its own for it).
     pub(crate) fn handle_made(&self) {
-        self.handles.fetch_add(1, Ordering::Relaxed);
+        self.at(self.handles.fetch_add(1, Ordering::Relaxed));
     }
 
-    /// A user handle is being dropped (its strong reference is still held): returns how many
-    /// strong references the shards gave up, which the caller drops (before its own).
+    /// A user handle is being dropped (its strong reference is still held, so the state is
+    /// alive throughout): returns how many strong references the shards gave up, which the
+    /// caller drops (before its own).
     pub(crate) fn handle_dropped(&self) -> usize {
-        if self.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
+        if self.at(self.handles.fetch_sub(1, Ordering::AcqRel)) != 1 {
             return 0;
         }
-        // Pairs with the fence in `exit` (see the module docs).
-        fence(Ordering::SeqCst);
-        self.shards
-            .iter()
-            .filter(|s| {
-                s.compare_exchange(HOLDS, 0, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            })
-            .count()
+        let mut given_up = 0;
+        for s in self.shards.iter() {
+            let mut w = self.at(s.load(Ordering::Acquire));
+            loop {
+                let (next, give) = if w & !(HOLDS | CLOSING) == 0 && w & HOLDS != 0 {
+                    (CLOSING, true)
+                } else {
+                    (w | CLOSING, false)
+                };
+                if next == w {
+                    break;
+                }
+                match self.at(s.compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire))
+                {
+                    Ok(_) => {
+                        given_up += usize::from(give);
+                        break;
+                    }
+                    Err(now) => w = now,
+                }
+            }
+        }
+        given_up
     }
 
     /// Counts an owner in shard `shard` (any number: taken modulo the shards) and returns the
@@ -83,11 +123,12 @@ impl Refs {
     ) -> usize {
         let i = shard & (self.shards.len() - 1);
         let s = &self.shards[i];
-        if s.fetch_add(ONE, Ordering::AcqRel) & HOLDS == 0 {
+        if self.at(s.fetch_add(ONE, Ordering::AcqRel)) & HOLDS == 0 {
             // No reference yet (or one being taken by another owner's entry on this shard):
-            // take one; if that other entry set `HOLDS` first, ours is one too many.
+            // take one; if that other entry set `HOLDS` first, ours is one too many. Counted,
+            // this owner keeps the state alive from here on.
             take();
-            if s.fetch_or(HOLDS, Ordering::AcqRel) & HOLDS != 0 {
+            if self.at(s.fetch_or(HOLDS, Ordering::AcqRel)) & HOLDS != 0 {
                 give_back();
             }
         }
@@ -95,19 +136,26 @@ impl Refs {
     }
 
     /// An owner of `shard` is gone: whether the caller must drop one strong reference (the
-    /// shard's: no owner is left and no user handle), after it stops using the state.
+    /// shard's: it was the last owner of a `CLOSING` shard). One successful compare-exchange
+    /// uncounts the owner and decides; nothing of the state is touched after it (see the
+    /// module docs), so the caller must have taken what it needs (the `Arc`'s pointer) before.
     pub(crate) fn exit(&self, shard: usize) -> bool {
         let s = &self.shards[shard];
-        if s.fetch_sub(ONE, Ordering::AcqRel) != ONE | HOLDS {
-            return false;
+        let mut w = self.at(s.load(Ordering::Acquire));
+        loop {
+            let last = w == ONE | CLOSING | HOLDS;
+            let next = if last { CLOSING } else { w - ONE };
+            match self.at(s.compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)) {
+                Ok(_) => return last,
+                Err(now) => w = now,
+            }
         }
-        // Pairs with the fence in `handle_dropped` (see the module docs).
-        fence(Ordering::SeqCst);
-        if self.handles.load(Ordering::Relaxed) != 0 {
-            return false;
-        }
-        s.compare_exchange(HOLDS, 0, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+    }
+
+    /// Marks the state freed (loom tests): later accesses fail.
+    #[cfg(loom)]
+    fn mark_freed(&self) {
+        self.freed.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Owners counted over all shards (a reading: exact only when nothing moves), for tests.
@@ -115,7 +163,7 @@ impl Refs {
     fn owners(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.load(Ordering::Relaxed) >> 1)
+            .map(|s| s.load(Ordering::Relaxed) >> 2)
             .sum()
     }
 }
@@ -231,6 +279,7 @@ mod loom_tests {
                     0,
                     "the state was freed while an owner or a handle was alive"
                 );
+                self.refs.mark_freed();
             }
         }
         fn enter(&self, shard: usize) -> usize {
@@ -258,6 +307,25 @@ mod loom_tests {
         fn freed(&self) -> bool {
             self.strong.load(Ordering::Acquire) == 0
         }
+    }
+
+    /// Review 16: an owner's exit racing the last handle's drop. The first version read
+    /// `handles` after its decrement uncounted the owner, while the handle's drop could free the
+    /// state (the model's `exit` uncounts the owner first, so only an access to the freed
+    /// counts, checked by `Refs::live`, can fail here).
+    #[test]
+    fn loom_refs_an_exit_racing_the_last_handle_uses_nothing_after_it() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || st.exit(a))
+            };
+            st.drop_handle();
+            t.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
     }
 
     #[test]
