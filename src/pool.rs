@@ -542,6 +542,27 @@ struct ShardData {
     /// the list's lock ([`bump_locked`]: no read-modify-write on the hand-over's path).
     taken: AtomicU64,
     pushed: AtomicU64,
+    /// Streams counted in the pool's `retired` beyond this shard's list (at most
+    /// [`MAX_CREDIT`]): a stream taken from the list leaves its count here, and the next
+    /// release into the list uses it, so that a thread that takes and releases its own
+    /// streams never writes `retired`, which every thread shares. Written only under the
+    /// list's lock.
+    credit: AtomicUsize,
+}
+
+/// The most counts a shard keeps (see [`ShardData::credit`]): each is a stream that `retired`
+/// counts but no list holds, so a reading of `retired` exceeds the streams retired by up to
+/// this times the shards; a trim first folds them back ([`Pool::lock_all`]).
+const MAX_CREDIT: usize = 2;
+
+/// Takes one of a shard's counts (see [`ShardData::credit`]), under its list's lock.
+fn use_credit_locked(c: &AtomicUsize) -> bool {
+    let n = c.load(Ordering::Relaxed);
+    if n == 0 {
+        return false;
+    }
+    c.store(n - 1, Ordering::Relaxed);
+    true
 }
 
 /// Adds one to a counter that is written only under one lock, which the caller holds: a load
@@ -564,6 +585,9 @@ pub(crate) struct Pool {
     pub(crate) priority: i32,
     pub(crate) flags: u32,
     shards: Box<[Shard]>,
+    /// Retired streams, plus the shards' credits (see [`ShardData::credit`]): never below the
+    /// streams in the lists, and exact while [`Pool::lock_all`]'s guards are held (it is
+    /// written only under a shard's lock).
     retired: CachePadded<AtomicUsize>,
     counters: CachePadded<Counters>,
     /// The cap on live streams and its waiters.
@@ -1390,6 +1414,9 @@ impl Pool {
             if let Some(found) = found {
                 return Ok(Some(found));
             }
+            // No idle stream anywhere: the credits are folded back, so that the next
+            // acquisitions do not search every shard for streams that only credits count.
+            self.fold_credits();
         }
         let Some(reserved) = self.gate.reserve(force) else {
             return Ok(None);
@@ -1499,9 +1526,11 @@ impl Pool {
             self.counters.reserved.fetch_add(1, Ordering::Release);
             let slot = Arc::new(Slot::new(raw, self.priority, self.flags));
             slot.lock().retire();
-            self.retired.fetch_add(1, Ordering::AcqRel);
             // Spread over the shards, so that every thread's home shard has some.
-            self.shard(made).push(slot);
+            let mut list = self.shard(made);
+            self.retired.fetch_add(1, Ordering::AcqRel);
+            list.push(slot);
+            drop(list);
             made += 1;
             self.gate.notify();
         }
@@ -1530,61 +1559,84 @@ impl Pool {
             let gen = st.hand_over();
             drop(st);
             let slot = list.remove(i);
-            self.retired.fetch_sub(1, Ordering::AcqRel);
+            // Its count stays as the shard's credit, up to MAX_CREDIT.
+            let credit = shard.credit.load(Ordering::Relaxed);
+            if credit < MAX_CREDIT {
+                shard.credit.store(credit + 1, Ordering::Relaxed);
+            } else {
+                self.retired.fetch_sub(1, Ordering::AcqRel);
+            }
             bump_locked(&shard.taken);
             return Some((slot, gen));
         }
         None
     }
 
+    /// Folds every shard's credits back into `retired`, one shard at a time (each under its
+    /// lock, as every write of `retired`).
+    fn fold_credits(&self) {
+        for shard in self.shards.iter() {
+            if shard.credit.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let _list = shard.list.lock();
+            let credits = shard.credit.swap(0, Ordering::Relaxed);
+            if credits > 0 {
+                self.retired.fetch_sub(credits, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Locks every shard, in index order (no other path holds two shard locks), and folds their
+    /// credits back into `retired`, which is then exact (the streams in the lists) until the
+    /// guards are dropped: every write of `retired` is made under a shard's lock.
+    fn lock_all(&self) -> Vec<MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>>> {
+        let lists: Vec<_> = self.shards.iter().map(|s| s.list.lock()).collect();
+        let credits: usize = self
+            .shards
+            .iter()
+            .map(|s| s.credit.swap(0, Ordering::Relaxed))
+            .sum();
+        if credits > 0 {
+            self.retired.fetch_sub(credits, Ordering::AcqRel);
+        }
+        lists
+    }
+
     /// Destroys retired streams that are idle until at most [`MAX_IDLE`] (or the reserve) remain.
-    /// Its queries run in relaxed capture mode (the context's device rules).
+    /// Its queries run in relaxed capture mode (the context's device rules). Under every shard's
+    /// lock ([`Pool::lock_all`]): the count is exact, so a trim never goes below the reserve.
     fn trim_excess(&self, driver: &dyn Driver) {
         let keep = self.idle_cap();
-        for i in 0..self.shards.len() {
-            if self.retired.load(Ordering::Acquire) <= keep {
-                return;
-            }
-            let mut gone = 0;
-            // Destroyed slots are dropped after the shard's lock: a slot's drop may drop what it
-            // keeps (a capture's uses, a loan's handle), which is user code.
-            let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
-            let mut list = self.shard(i);
-            let mut j = 0;
-            let mut done = false;
-            while j < list.len() {
-                // Claim one stream of the excess first, so that concurrent trims (on other
-                // shards) never bring the count below `keep` together.
-                if self
-                    .retired
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
-                        (r > keep).then(|| r - 1)
-                    })
-                    .is_err()
-                {
-                    done = true;
-                    break;
-                }
-                if destroy_idle(driver, &list[j], false).unwrap_or(false) {
-                    dead.push(list.remove(j));
-                    self.counters.destroyed.fetch_add(1, Ordering::Release);
-                    self.gate.uncount();
-                    gone += 1;
-                    self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    self.retired.fetch_add(1, Ordering::AcqRel);
-                    j += 1;
+        let mut gone = 0;
+        // Destroyed slots are dropped after the shards' locks: a slot's drop may drop what it
+        // keeps (a capture's uses, a loan's handle), which is user code.
+        let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
+        {
+            let mut lists = self.lock_all();
+            'all: for list in lists.iter_mut() {
+                let mut j = 0;
+                while j < list.len() {
+                    if self.retired.load(Ordering::Acquire) <= keep {
+                        break 'all;
+                    }
+                    if destroy_idle(driver, &list[j], false).unwrap_or(false) {
+                        dead.push(list.remove(j));
+                        self.retired.fetch_sub(1, Ordering::AcqRel);
+                        self.counters.destroyed.fetch_add(1, Ordering::Release);
+                        self.gate.uncount();
+                        self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
+                        gone += 1;
+                    } else {
+                        j += 1;
+                    }
                 }
             }
-            // The waiters are notified after the shard's lock (a waker may search the pool).
-            drop(list);
-            drop(dead);
-            for _ in 0..gone {
-                self.gate.notify();
-            }
-            if done {
-                return;
-            }
+        }
+        // The waiters are notified after the shards' locks (a waker may search the pool).
+        drop(dead);
+        for _ in 0..gone {
+            self.gate.notify();
         }
     }
 
@@ -1619,19 +1671,27 @@ impl Pool {
         };
         slot.lock().retire();
         let home = home_index();
-        // Counted before it can be found, so that a search never takes an uncounted stream.
-        let retired = self.retired.fetch_add(1, Ordering::AcqRel) + 1;
-        {
+        let counted = {
             let shard = self.home(home);
             let mut list = shard.list.lock();
+            // Counted before it can be found (before the lock's release), so that a search
+            // never takes an uncounted stream: by a credit of the shard (no shared write), or
+            // in `retired`.
+            let counted = if use_credit_locked(&shard.credit) {
+                None
+            } else {
+                Some(self.retired.fetch_add(1, Ordering::AcqRel) + 1)
+            };
             list.push(slot);
             bump_locked(&shard.pushed);
-        }
+            counted
+        };
         // After the push (and its lock): a waiter that joined before it sees the stream in its
         // next attempt, or is notified here (`waiting` is read after the push and a SeqCst
         // fence, which pairs with the one after the waiter's join).
         self.gate.notify();
-        if trim && retired > self.idle_cap() {
+        // A credit was counted already: `retired` did not grow.
+        if trim && counted.is_some_and(|r| r > self.idle_cap()) {
             self.trim_excess(driver);
         }
     }
@@ -1668,43 +1728,48 @@ impl Pool {
     fn take_back_returned(&self) {
         for slot in self.gate.take_returned() {
             slot.lock().retire();
+            let mut list = self.shard(home_index());
             self.retired.fetch_add(1, Ordering::AcqRel);
-            self.shard(home_index()).push(slot);
+            list.push(slot);
         }
     }
 
     /// Destroys every retired stream that is idle, but `keep`; with `wait`, first waits for the
     /// others. Returns how many were destroyed. Relaxed capture mode: the context's device rules.
+    /// Under every shard's lock, as [`Pool::trim_excess`] (`wait` only at the teardown, when
+    /// nothing else uses the pool).
     pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool, keep: usize) -> Result<usize> {
         self.take_back_returned();
         let mut n = 0;
         let mut first_err = None;
-        for i in 0..self.shards.len() {
-            let mut gone = 0;
-            // Dropped after the shard's lock, as in `trim_excess`.
-            let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
-            let mut list = self.shard(i);
-            let mut j = 0;
-            while j < list.len() && self.retired.load(Ordering::Acquire) > keep {
-                match self.destroy_if_idle(driver, &list[j], wait) {
-                    Ok(true) => {
-                        dead.push(list.remove(j));
-                        gone += 1;
+        // Dropped after the shards' locks, as in `trim_excess`.
+        let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
+        {
+            let mut lists = self.lock_all();
+            'all: for list in lists.iter_mut() {
+                let mut j = 0;
+                while j < list.len() {
+                    if self.retired.load(Ordering::Acquire) <= keep {
+                        break 'all;
                     }
-                    Ok(false) => j += 1,
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                        j += 1;
+                    match self.destroy_if_idle(driver, &list[j], wait) {
+                        Ok(true) => {
+                            dead.push(list.remove(j));
+                            n += 1;
+                        }
+                        Ok(false) => j += 1,
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            j += 1;
+                        }
                     }
                 }
             }
-            // The waiters are notified after the shard's lock (a waker may search the pool).
-            drop(list);
-            drop(dead);
-            for _ in 0..gone {
-                self.gate.notify();
-            }
-            n += gone;
+        }
+        // The waiters are notified after the shards' locks (a waker may search the pool).
+        drop(dead);
+        for _ in 0..n {
+            self.gate.notify();
         }
         match first_err {
             Some(e) => Err(e),
