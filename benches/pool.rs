@@ -6,8 +6,9 @@
 //!   CSP_BENCH_DRIVER=sim cargo bench --bench pool     # the simulation's latency model
 //!
 //! Groups: `uncontended`; `threads/{pool,global_lock}/N` (time per operation on each of N
-//! threads; `threads/context_clone/N`, a context's clone and drop, the shared reference count
-//! every owner touches); `live_owners/{pool,global_lock}/L` (with L other owners holding streams);
+//! threads; `threads/context_clone/N`, a user's `Context` clone and drop, the shared counts
+//! that owners touched before they counted themselves per shard);
+//! `live_owners/{pool,global_lock}/L` (with L other owners holding streams);
 //! `waiters/queue_and_serve/N` (per waiter: N async acquisitions queued at a cap, served in turn;
 //! always the simulated driver).
 
@@ -145,8 +146,8 @@ fn benches(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new("pool", n), &n, |b, &n| {
                 b.iter_custom(|iters| on_threads(n, iters, || pool_op(&ctx)))
             });
-            // What one shared reference count costs at `n` threads: an owner clones the context
-            // (an `Arc`) when made and drops it when dropped, on every thread alike.
+            // What a shared reference count costs at `n` threads: a user's clone of the context
+            // (an `Arc` and the count of handles; an owner made it too before cb01670).
             g.bench_with_input(BenchmarkId::new("context_clone", n), &n, |b, &n| {
                 b.iter_custom(|iters| on_threads(n, iters, || drop(black_box(ctx.clone()))))
             });

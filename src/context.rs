@@ -345,10 +345,10 @@ pub(crate) enum PoolKey {
     Other(Arc<Pool>),
 }
 
-/// Aligned to 128 bytes so that the `Arc`'s reference counts, which every owner's clone of
-/// its context raises and lowers, sit on a cache line of their own: not on the line of the
-/// fields every acquisition reads (the driver, the pools), which other threads would then
-/// miss on each time.
+/// Aligned to 128 bytes so that the `Arc`'s reference counts, which a user's `Context` clone
+/// raises and lowers (the crate's objects count themselves per shard instead: `refs.rs`), sit on
+/// a cache line of their own: not on the line of the fields every acquisition reads (the
+/// driver, the pools), which other threads would then miss on each time.
 #[repr(align(128))]
 pub(crate) struct CtxInner {
     pub(crate) id: u64,
