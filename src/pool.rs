@@ -1690,8 +1690,10 @@ impl Pool {
         // next attempt, or is notified here (`waiting` is read after the push and a SeqCst
         // fence, which pairs with the one after the waiter's join).
         self.gate.notify();
-        // A credit was counted already: `retired` did not grow.
-        if trim && counted.is_some_and(|r| r > self.idle_cap()) {
+        // With a credit, `retired` did not grow, but it may be above the cap already (streams
+        // released on host-function threads, which never trim): read, not written (review 17).
+        if trim && counted.unwrap_or_else(|| self.retired.load(Ordering::Acquire)) > self.idle_cap()
+        {
             self.trim_excess(driver);
         }
     }

@@ -9,7 +9,7 @@
 mod common;
 
 use cuda_stream_pool::driver::sim::SimDriver;
-use cuda_stream_pool::{Context, Owner, Priority, MAX_IDLE};
+use cuda_stream_pool::{Context, ContextOptions, Owner, Priority, MAX_IDLE};
 use std::sync::{Arc, Barrier};
 
 fn setup() -> (Arc<SimDriver>, Context) {
@@ -78,4 +78,55 @@ fn the_idle_bound_is_exact_after_streams_moved_between_shards() {
     }
     drop(ctx);
     common::assert_clean(&sim);
+}
+
+/// Review 17 (a70513d): a release that used its shard's credit wrote no count and so never
+/// trimmed, even with more than `MAX_IDLE` idle streams retired (released here on a host-function
+/// thread, which never trims): 41 stayed retired after the release (before a70513d, 32).
+#[test]
+fn a_release_that_uses_a_credit_still_trims_to_max_idle() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx =
+        Context::primary_with(sim.clone(), 0, ContextOptions::default().isolated(true)).unwrap();
+    let base = sim.counters().live_streams;
+    let extra = 8;
+    let owners: Vec<_> = (0..MAX_IDLE + extra)
+        .map(|_| {
+            let o = ctx.owner();
+            o.stream().unwrap();
+            o
+        })
+        .collect();
+    let launcher = ctx.owner();
+    launcher.stream().unwrap();
+    // A stream released and taken again from this thread's home shard: a credit there.
+    let a = ctx.owner();
+    a.stream().unwrap();
+    drop(a);
+    let a = ctx.owner();
+    a.stream().unwrap();
+    // MAX_IDLE + extra idle streams released on a host-function thread (no trim there).
+    let (tx, rx) = std::sync::mpsc::channel();
+    launcher
+        .stream()
+        .unwrap()
+        .launch_host_func(move || {
+            drop(owners);
+            tx.send(()).unwrap();
+        })
+        .unwrap();
+    sim.advance(1_000);
+    rx.recv().unwrap();
+    let before = sim.counters().live_streams - base;
+    // This thread's release, outside host functions: the key's next release.
+    drop(a);
+    let alive = sim.counters().live_streams - base;
+    eprintln!("pool streams alive: {before} before the release, {alive} after (1 held)");
+    assert!(
+        alive <= MAX_IDLE as u64 + 1,
+        "after a release outside host functions, {alive} streams of the key are alive: one held \
+         and {} retired, all idle: more than MAX_IDLE = {MAX_IDLE}",
+        alive - 1
+    );
+    drop(launcher);
 }
