@@ -1572,17 +1572,21 @@ impl Pool {
         None
     }
 
-    /// Folds every shard's credits back into `retired`, one shard at a time (each under its
-    /// lock, as every write of `retired`).
+    /// Folds a shard's credits back into `retired`; the caller holds the shard's lock (as for
+    /// every write of `retired`).
+    fn fold_locked(&self, shard: &ShardData) {
+        let credits = shard.credit.swap(0, Ordering::Relaxed);
+        if credits > 0 {
+            self.retired.fetch_sub(credits, Ordering::AcqRel);
+        }
+    }
+
+    /// Folds every shard's credits back into `retired`, one shard at a time.
     fn fold_credits(&self) {
         for shard in self.shards.iter() {
-            if shard.credit.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
-            let _list = shard.list.lock();
-            let credits = shard.credit.swap(0, Ordering::Relaxed);
-            if credits > 0 {
-                self.retired.fetch_sub(credits, Ordering::AcqRel);
+            if shard.credit.load(Ordering::Relaxed) > 0 {
+                let _list = shard.list.lock();
+                self.fold_locked(shard);
             }
         }
     }
@@ -1591,24 +1595,37 @@ impl Pool {
     /// credits back into `retired`, which is then exact (the streams in the lists) until the
     /// guards are dropped: every write of `retired` is made under a shard's lock.
     fn lock_all(&self) -> Vec<MutexGuard<'_, SmallVec<[Arc<Slot>; 8]>>> {
-        let lists: Vec<_> = self.shards.iter().map(|s| s.list.lock()).collect();
-        let credits: usize = self
-            .shards
+        self.shards
             .iter()
-            .map(|s| s.credit.swap(0, Ordering::Relaxed))
-            .sum();
-        if credits > 0 {
-            self.retired.fetch_sub(credits, Ordering::AcqRel);
-        }
-        lists
+            .map(|s| {
+                let list = s.list.lock();
+                self.fold_locked(s);
+                list
+            })
+            .collect()
     }
 
     /// Destroys retired streams that are idle until at most [`MAX_IDLE`] (or the reserve) remain.
     /// Its queries run in relaxed capture mode (the context's device rules). Under every shard's
-    /// lock ([`Pool::lock_all`]): the count is exact, so a trim never goes below the reserve.
+    /// lock ([`Pool::destroy_down_to`]): the count is exact, so a trim never goes below the
+    /// reserve. A stream the driver refuses to query or destroy stays (the next trim retries).
     fn trim_excess(&self, driver: &dyn Driver) {
-        let keep = self.idle_cap();
-        let mut gone = 0;
+        let (n, _refused) = self.destroy_down_to(driver, false, self.idle_cap());
+        self.counters.trimmed.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Destroys retired streams that are idle (with `wait`, after waiting for their work) until
+    /// `keep` remain, under every shard's lock ([`Pool::lock_all`]: the count is exact), then
+    /// notifies the gate once per stream destroyed. Returns how many it destroyed, and the first
+    /// error of a query or destroy (that stream stays).
+    fn destroy_down_to(
+        &self,
+        driver: &dyn Driver,
+        wait: bool,
+        keep: usize,
+    ) -> (usize, Option<crate::Error>) {
+        let mut n = 0;
+        let mut first_err = None;
         // Destroyed slots are dropped after the shards' locks: a slot's drop may drop what it
         // keeps (a capture's uses, a loan's handle), which is user code.
         let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
@@ -1620,24 +1637,26 @@ impl Pool {
                     if self.retired.load(Ordering::Acquire) <= keep {
                         break 'all;
                     }
-                    if destroy_idle(driver, &list[j], false).unwrap_or(false) {
-                        dead.push(list.remove(j));
-                        self.retired.fetch_sub(1, Ordering::AcqRel);
-                        self.counters.destroyed.fetch_add(1, Ordering::Release);
-                        self.gate.uncount();
-                        self.counters.trimmed.fetch_add(1, Ordering::Relaxed);
-                        gone += 1;
-                    } else {
-                        j += 1;
+                    match self.destroy_if_idle(driver, &list[j], wait) {
+                        Ok(true) => {
+                            dead.push(list.remove(j));
+                            n += 1;
+                        }
+                        Ok(false) => j += 1,
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            j += 1;
+                        }
                     }
                 }
             }
         }
         // The waiters are notified after the shards' locks (a waker may search the pool).
         drop(dead);
-        for _ in 0..gone {
+        for _ in 0..n {
             self.gate.notify();
         }
+        (n, first_err)
     }
 
     /// Destroys a retired stream if it is idle (with `wait`, after waiting for its work).
@@ -1742,40 +1761,9 @@ impl Pool {
     /// nothing else uses the pool).
     pub(crate) fn drain(&self, driver: &dyn Driver, wait: bool, keep: usize) -> Result<usize> {
         self.take_back_returned();
-        let mut n = 0;
-        let mut first_err = None;
-        // Dropped after the shards' locks, as in `trim_excess`.
-        let mut dead: SmallVec<[Arc<Slot>; 4]> = SmallVec::new();
-        {
-            let mut lists = self.lock_all();
-            'all: for list in lists.iter_mut() {
-                let mut j = 0;
-                while j < list.len() {
-                    if self.retired.load(Ordering::Acquire) <= keep {
-                        break 'all;
-                    }
-                    match self.destroy_if_idle(driver, &list[j], wait) {
-                        Ok(true) => {
-                            dead.push(list.remove(j));
-                            n += 1;
-                        }
-                        Ok(false) => j += 1,
-                        Err(e) => {
-                            first_err.get_or_insert(e);
-                            j += 1;
-                        }
-                    }
-                }
-            }
-        }
-        // The waiters are notified after the shards' locks (a waker may search the pool).
-        drop(dead);
-        for _ in 0..n {
-            self.gate.notify();
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(n),
+        match self.destroy_down_to(driver, wait, keep) {
+            (_, Some(e)) => Err(e),
+            (n, None) => Ok(n),
         }
     }
 
