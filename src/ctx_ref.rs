@@ -2,7 +2,8 @@
 //! streams, kernels) hold their context: counted in the calling thread's shard of the state's
 //! [`Refs`](crate::refs::Refs), not in the `Arc`'s one count that every thread writes. Making
 //! and dropping an owner on 16 threads at once then writes no shared cache line for its context
-//! (`benches/pool.rs`, `threads/context_clone` against `threads/ctx_ref`).
+//! (`benches/pool.rs`: `threads/pool/16`; `threads/context_clone` measures what a clone of the
+//! shared count costs).
 use crate::context::{Context, CtxInner};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
