@@ -60,35 +60,44 @@ pub(crate) mod thread {
     }
 
     /// A loom thread and its park token. Loom's own `unpark` makes a thread that is blocked
-    /// elsewhere (on a lock) runnable without keeping the token for its next `park`, which std
-    /// keeps: a false deadlock for a waiter unparked while it takes the gate's lock. The token
-    /// is kept here instead (std's semantics, with its synchronisation: `unpark` happens before
-    /// the `park` that takes the token).
+    /// elsewhere (on a lock) runnable: the thread then fails loom's assertion "expected to be
+    /// able to acquire lock" (loom issue 249, for `join`; the same for a lock), and it keeps
+    /// no token for the next `park`, which std keeps. So the token is a flag under a loom mutex
+    /// and a park waits on a loom condition variable, which wakes only its own waiter (std's
+    /// semantics, with its synchronisation: `unpark` happens before the `park` that takes the
+    /// token).
     #[cfg(loom)]
     #[derive(Clone, Debug)]
     pub(crate) struct Thread {
-        pub(super) handle: loom::thread::Thread,
-        pub(super) token: std::sync::Arc<loom::sync::Mutex<bool>>,
+        pub(super) id: loom::thread::ThreadId,
+        pub(super) token: std::sync::Arc<Token>,
+    }
+
+    /// The park token of a loom thread (see [`Thread`]).
+    #[cfg(loom)]
+    #[derive(Debug, Default)]
+    pub(crate) struct Token {
+        pub(super) set: loom::sync::Mutex<bool>,
+        pub(super) cv: loom::sync::Condvar,
     }
 
     #[cfg(loom)]
     impl Thread {
         pub(crate) fn id(&self) -> loom::thread::ThreadId {
-            self.handle.id()
+            self.id
         }
     }
 
     #[cfg(loom)]
     loom::thread_local! {
-        static TOKEN: std::sync::Arc<loom::sync::Mutex<bool>> =
-            std::sync::Arc::new(loom::sync::Mutex::new(false));
+        static TOKEN: std::sync::Arc<Token> = std::sync::Arc::new(Token::default());
     }
 
     /// The calling thread's handle.
     #[cfg(loom)]
     pub(crate) fn current() -> Thread {
         Thread {
-            handle: loom::thread::current(),
+            id: loom::thread::current().id(),
             token: TOKEN.with(|t| t.clone()),
         }
     }
@@ -246,8 +255,9 @@ pub(crate) fn park() {
     #[cfg(loom)]
     {
         let me = thread::current();
-        while !std::mem::take(&mut *me.token.lock().unwrap()) {
-            loom::thread::park();
+        let mut set = me.token.set.lock().unwrap();
+        while !std::mem::take(&mut *set) {
+            set = me.token.cv.wait(set).unwrap();
         }
     }
 }
@@ -281,8 +291,8 @@ pub(crate) fn unpark(t: &thread::Thread) {
     t.unpark();
     #[cfg(loom)]
     {
-        *t.token.lock().unwrap() = true;
-        t.handle.unpark();
+        *t.token.set.lock().unwrap() = true;
+        t.token.cv.notify_one();
     }
 }
 
