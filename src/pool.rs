@@ -1030,7 +1030,14 @@ impl Gate {
 
     /// Leaves the queue (see [`Leaving`] for what is passed on). The leaving waiter's waker is
     /// dropped, and the others are woken, after the queue's lock.
-    fn leave(&self, id: u64, how: Leaving) {
+    ///
+    /// `armed`: the waiter was waiting for GPU work (it armed wake-ups on busy streams, and
+    /// looked for a fault of its context now and then, as those wake-ups never run in a dead
+    /// context). Then it passes at least one notification on, however it leaves: the next
+    /// waiter attempts, arms in turn, and takes over the looking. Passing none left that waiter
+    /// first without a turn, waiting for the wake-ups only, and it slept for ever when the
+    /// context died (the hang of CI at stop 36).
+    fn leave(&self, id: u64, how: Leaving, armed: bool) {
         let mut wakes: SmallVec<[Wake; 2]> = SmallVec::new();
         let mut handed_to = None;
         let left;
@@ -1049,6 +1056,7 @@ impl Gate {
                 Leaving::Unserved => w.notified + w.consumed,
                 Leaving::Failed => (w.notified + w.consumed).max(1),
             };
+            let pass = if armed { pass.max(1) } else { pass };
             let handed = w.handed.take();
             left = w;
             if let Some((slot, gen)) = handed {
@@ -1147,7 +1155,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.gate.leave(self.id, self.leaving);
+        self.gate.leave(self.id, self.leaving, self.armed);
     }
 }
 

@@ -184,6 +184,101 @@ fn an_async_waiter_at_the_cap_gets_the_sticky_error() {
     });
 }
 
+// Regression: the hang of CI at stop 36 (`a_fault_at_any_point_resolves_everything`): the first
+// waiter, armed on a busy stream, was cancelled without passing its turn on; the waiter behind
+// it never attempted, never armed, so never looked for the fault, and slept for ever.
+/// An async waiter queued behind a cancelled waiter that was waiting for GPU work gets the
+/// sticky error when the context dies; it does not hang.
+#[test]
+fn a_waiter_behind_a_cancelled_waiter_gets_the_sticky_error() {
+    use std::future::Future;
+    common::finishes("a waiter behind a cancelled one", || {
+        let (sim, ctx) = at_the_cap_behind_busy_work();
+        let (_, noop) = futures_util::waker();
+        let mut cx = std::task::Context::from_waker(&noop);
+        let mut first = Box::pin(ctx.owner().ready());
+        assert!(first.as_mut().poll(&mut cx).is_pending(), "at the cap");
+        let mut second = Box::pin(ctx.owner().ready());
+        assert!(second.as_mut().poll(&mut cx).is_pending(), "at the cap");
+        sim.kill_context(ctx.raw(), FAULT);
+        drop(first);
+        let e = common::block_on(second).map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+    });
+}
+
+// Regression: the same hang for a waiter served while it waited for GPU work: the one behind it
+// became first without a turn, and waited for wake-ups that a dead context never runs.
+/// A thread blocked at the cap behind a waiter that is served (a release hands it a stream)
+/// gets the sticky error when the context dies afterwards, while the stream the first waiter
+/// was waiting for stays busy.
+#[test]
+fn a_waiter_behind_a_served_waiter_gets_the_sticky_error() {
+    common::finishes("a waiter behind a served one", || {
+        let sim = Arc::new(SimDriver::new());
+        let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(2));
+        let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+        // Two streams, the cap: one retired busy for ever, one held.
+        let held = ctx.owner();
+        let s = held.stream().unwrap();
+        let busy = {
+            let o = ctx.owner();
+            let b = o.stream().unwrap();
+            sim.enqueue_work(b.raw(), u64::MAX / 4).unwrap();
+            b.raw()
+        };
+        drop(s);
+        sim.clear_calls();
+        let waiter = |ctx: &Context| {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || {
+                let o = ctx.owner();
+                let r = o.stream().map(drop);
+                r.map(|()| o)
+            })
+        };
+        let first = waiter(&ctx);
+        // The first waiter armed a wake-up on the busy stream: it waits for GPU work.
+        while !sim
+            .calls()
+            .iter()
+            .any(|c| c.name == "cuLaunchHostFunc" && c.stream == Some(busy))
+        {
+            std::thread::yield_now();
+        }
+        let second = waiter(&ctx);
+        while ctx.stats().waits < 2 {
+            std::thread::yield_now();
+        }
+        drop(held);
+        let first = first.join().unwrap().expect("served by the release");
+        sim.kill_context(ctx.raw(), FAULT);
+        let e = second.join().unwrap().map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+        drop(first);
+    });
+}
+
+// Regression: the input that CI's run at stop 36 shrank (by hand, from the property's failure
+// on a loaded machine; it hangs on every run, idle or loaded, on the code before the fix).
+/// The property below on the input that hung.
+#[test]
+fn a_fault_after_a_cancelled_waiter_resolves_everything() {
+    use FaultOp::*;
+    let ops = [
+        NewOwner,
+        Work(1, 440),
+        DropOwner(6),
+        NewOwner,
+        Work(1, u64::MAX / 4),
+        DropOwner(2),
+        NewOwner,
+        NewOwner,
+        DropFut(2),
+    ];
+    common::finishes("the shrunk input", move || run_fault_case(&ops, 7));
+}
+
 /// Futures pending on two streams held busy by GPU-side waits (their work never ends before the
 /// fault), a completion behind the faulting kernel, and three waiters at the cap (two threads
 /// blocked in `Owner::stream`, one `Owner::ready` task) behind those busy streams: when `fault`
