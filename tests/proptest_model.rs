@@ -72,3 +72,28 @@ fn replay_input() {
     };
     model::run_with_leaks(&bytes);
 }
+
+// Regression: CI's hang at stop 36 (in tests/device_faults.rs), through the model's
+// `Op::Kill`: the first waiter at the cap armed a wake-up on the busy stream and was cancelled;
+// the waiter behind it became first without a turn and never looked for the fault.
+/// Two owners wait at the cap (1) behind a busy retired stream, the first is dropped, the
+/// context dies: the second resolves (with the sticky error).
+#[test]
+fn a_waiter_behind_a_cancelled_one_resolves_when_the_context_dies() {
+    use model::Op;
+    model::run_ops(
+        Some(1),
+        &[
+            Op::NewOwner,
+            Op::Work {
+                owner: 0,
+                ns: 10_000,
+            },
+            Op::DropOwner(0),
+            Op::Ready { p: 0, poll: true },
+            Op::Ready { p: 0, poll: true },
+            Op::DropFut(0),
+            Op::Kill,
+        ],
+    );
+}

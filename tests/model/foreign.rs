@@ -41,6 +41,17 @@ fn retry<T>(mut f: impl FnMut() -> cuda_stream_pool::Result<T>) -> cuda_stream_p
     }
 }
 
+impl Foreign {
+    /// Ends the capture and waits for its thread, whatever the end returned (a dead context's
+    /// capture cannot end).
+    pub(super) fn end_ignoring_the_result(self) -> Result<(), String> {
+        let _ = self.go.send(());
+        self.thread
+            .join()
+            .expect("a foreign capture's thread panicked")
+    }
+}
+
 impl Model {
     /// The raw streams of the live foreign captures.
     pub(super) fn foreign_streams(&self) -> usize {

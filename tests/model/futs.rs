@@ -640,6 +640,105 @@ impl Model {
 }
 
 impl Model {
+    /// After the context died ([`Op::Kill`]): every future resolves, each with success only
+    /// where it could have succeeded (a completion or copy whose work ended before the fault,
+    /// checked as after any poll; an owner served with a stream) and otherwise with the sticky
+    /// error `code`. The futures are polled together, each again whenever any is woken, as an
+    /// executor would; one that is never woken again is a hang (reported after [`HANG_LIMIT`]:
+    /// a guard only, a live context's futures are not waited for). The caller dropped every
+    /// owner first (a waiter at the cap waits for one, dead context or not). With
+    /// `waiters_may_wait`, owners waiting at the cap are not waited for once they are all that
+    /// is left (a leaked capture guard keeps its owner's stream, and its place under the cap,
+    /// for ever).
+    pub(super) fn resolve_dead(&mut self, code: ErrorCode, waiters_may_wait: bool) {
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(count.clone());
+        let mut cx = TaskCx::from_waker(&waker);
+        let hang = Instant::now() + HANG_LIMIT;
+        let sticky = |what: &str, e: &Error| {
+            assert_eq!(
+                e.code(),
+                Some(code),
+                "{what} of a dead context failed with another error than its sticky one: {e}"
+            );
+        };
+        loop {
+            let seen = count.0.load(Ordering::SeqCst);
+            let mut i = 0;
+            while i < self.futs.len() {
+                let done = match &mut self.futs[i].kind {
+                    Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
+                        Poll::Pending => false,
+                        Poll::Ready(Ok(())) => {
+                            cover.check(&self.sim, "a completion of a dead context");
+                            true
+                        }
+                        Poll::Ready(Err(e)) => {
+                            sticky("a completion", &e);
+                            true
+                        }
+                    },
+                    Kind::Copy {
+                        f: c,
+                        cover,
+                        expect,
+                        len,
+                    } => match Pin::new(&mut *c).poll(&mut cx) {
+                        Poll::Pending => false,
+                        Poll::Ready(Ok(v)) => {
+                            cover.check(&self.sim, "a host copy of a dead context");
+                            assert_eq!(v.len(), *len, "a host copy's length");
+                            if let Some(want) = expect {
+                                assert_eq!(
+                                    &v, want,
+                                    "a host copy resolved with unexpected contents"
+                                );
+                            }
+                            true
+                        }
+                        Poll::Ready(Err(e)) => {
+                            sticky("a host copy", &e);
+                            true
+                        }
+                    },
+                    Kind::Ready { f: r, .. } => match Pin::new(&mut *r).poll(&mut cx) {
+                        Poll::Pending => false,
+                        Poll::Ready(Ok(_)) => true,
+                        Poll::Ready(Err(e)) => {
+                            sticky("an owner waiting at the cap", &e);
+                            true
+                        }
+                    },
+                    Kind::Attach { f: a, .. } => Pin::new(&mut *a).poll(&mut cx).is_ready(),
+                };
+                if done {
+                    drop(self.futs.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            let waiters_only = self
+                .futs
+                .iter()
+                .all(|f| matches!(f.kind, Kind::Ready { .. }));
+            if self.futs.is_empty() || (waiters_may_wait && waiters_only) {
+                self.futs.clear();
+                return;
+            }
+            while count.0.load(Ordering::SeqCst) == seen {
+                assert!(
+                    Instant::now() < hang,
+                    "a hang: {} future(s) of a dead context never woken again (first: {})",
+                    self.futs.len(),
+                    self.futs[0].what()
+                );
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+impl Model {
     /// What the threads that wake futures have done so far: host functions started and
     /// returned on the simulation's host-function thread, wake-ups handed to the crate's
     /// background threads and run there.

@@ -231,6 +231,13 @@ pub enum Op {
         owner: usize,
         at: futs::At,
     },
+    /// The context dies (`SimDriver::kill_context` with a sticky error, as a faulting kernel
+    /// kills it on the GPU): the input ends here. The owners are dropped; every future then
+    /// resolves, with success only where it could have succeeded and otherwise with the sticky
+    /// error (a hang is a finding); everything else is dropped; the teardown returns, the simulation saw no misuse, and the
+    /// thread's current context is as it was. (No leak check: a dead context's resources go
+    /// with it, and the process cannot use the device again.)
+    Kill,
 }
 
 /// A step of a worker thread in [`Op::Par`]; it works on its own owner's stream.
@@ -269,6 +276,9 @@ pub enum WOp {
 /// crate then gives its futures up with the error: `tests/device_faults.rs`). 701
 /// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`) took the place of 700, so inputs keep their shape.
 const CODES: [u32; 5] = [1, 2, 400, 701, 999];
+
+/// The sticky error of [`Op::Kill`] (`CUDA_ERROR_ILLEGAL_ADDRESS`, a faulting kernel's).
+const KILL_CODE: ErrorCode = ErrorCode::ERROR_ILLEGAL_ADDRESS;
 
 /// Decodes operations until the bytes run out (at most `max` of them). With `leaks`, the
 /// operations include [`Op::LeakCapture`], which leaks the whole context by design (the fuzzer,
@@ -323,6 +333,11 @@ const EXT_ESCAPE: u8 = 241;
 /// The bytes after [`EXT_ESCAPE`] that make it an escape; the byte is also `decode_ext`'s code
 /// (`224..=239 % 16` is `0..=15`), so an escape costs one byte more than an operation.
 const EXT_CODES: std::ops::RangeInclusive<u8> = 224..=239;
+/// The byte after [`EXT_ESCAPE`] that decodes [`Op::Kill`] (every code of [`EXT_CODES`] was
+/// taken; no committed input has an escape followed by it: checked by decoding every one before
+/// and after). In the property test's view the 16 bytes from it up decode it (one extended
+/// operation in 16).
+const KILL_BYTE: u8 = 240;
 
 /// Whether operation byte `b` (of code 31) decodes one of [`decode_ext`]'s operations: in the
 /// property test's view (`leaks`, whose cases are drawn afresh and keep no corpus) every byte of
@@ -330,7 +345,9 @@ const EXT_CODES: std::ops::RangeInclusive<u8> = 224..=239;
 /// view only the escape ([`EXT_ESCAPE`] and a byte of [`EXT_CODES`]) does, and the other bytes
 /// of code 31 decode a concurrent step as they always did.
 fn is_ext(b: u8, u: &Unstructured<'_>, leaks: bool) -> bool {
-    leaks || (b == EXT_ESCAPE && matches!(u.peek_bytes(1), Some([c]) if EXT_CODES.contains(c)))
+    leaks
+        || (b == EXT_ESCAPE
+            && matches!(u.peek_bytes(1), Some([c]) if EXT_CODES.contains(c) || *c == KILL_BYTE))
 }
 
 /// The operations added after the corpus was recorded (see [`is_ext`]): new ones take free
@@ -342,7 +359,14 @@ fn decode_ext(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
     // each with an arm of its own here, which changes the meaning of that code only (no
     // committed input has an escape of code 12 or 11: the re-entrant acquisition took both,
     // so that drawn inputs reach it more often).
-    Ok(match u.int_in_range(0..=15u8)? {
+    // (One byte, read whole: its code is `b % 16`, what `int_in_range(0..=15u8)` read from it.)
+    let b = u.int_in_range(0..=255u8)?;
+    if b >= KILL_BYTE {
+        // (In the fuzzer's view only `KILL_BYTE` comes here, see `is_ext`; in the property
+        // test's view every byte does, and one extended operation in 16 kills the context.)
+        return Ok(Op::Kill);
+    }
+    Ok(match b % 16 {
         15 => Op::Lend { owner: idx(u)? },
         14 => Op::LoanWork {
             loan: idx(u)?,
@@ -787,6 +811,8 @@ pub struct Model {
     handed_unseen: Arc<std::sync::Mutex<HashMap<u64, u64>>>,
     /// Panics of re-entrant wakers' actions (`futs::Reentrant`), checked after every step.
     waker_panics: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The context was killed ([`Op::Kill`]).
+    dead: bool,
 }
 
 fn pick<T>(v: &[T], i: usize) -> Option<usize> {
@@ -914,6 +940,7 @@ impl Model {
             gens: HashMap::new(),
             handed_unseen: Arc::default(),
             waker_panics: Arc::default(),
+            dead: false,
         }
     }
 
@@ -1727,6 +1754,13 @@ impl Model {
                     }
                 }
             }
+            Op::Kill => {
+                // The input ends here (see `run_ops`): nothing is checked against a live
+                // context any more.
+                self.sim.kill_context(self.ctx().raw(), KILL_CODE);
+                self.dead = true;
+                return;
+            }
             &Op::Lend { owner } => acquired = self.lend(owner),
             &Op::LoanWork { loan, ns } => self.loan_work(loan, ns),
             &Op::EndLoan(k) => self.end_loan(k),
@@ -2017,6 +2051,9 @@ impl Model {
 
     pub fn teardown(mut self) {
         self.sim.clear_faults();
+        if self.dead {
+            return self.teardown_dead();
+        }
         // Foreign captures end first: they must have survived every operation.
         while !self.foreign.is_empty() {
             self.end_foreign(0);
@@ -2084,6 +2121,42 @@ impl Model {
         assert_eq!(c.live_events, 0, "events leaked: {c:?}");
         assert_eq!(c.live_modules, 0, "modules leaked: {c:?}");
         assert_eq!(c.live_host_allocs, 0, "host memory leaked: {c:?}");
+        let misuse = self.sim.misuse();
+        assert!(misuse.is_empty(), "misuse: {misuse:?}");
+    }
+}
+
+impl Model {
+    /// The teardown after [`Op::Kill`] (see there).
+    fn teardown_dead(mut self) {
+        // The owners go first (captures keep theirs): an owner waiting at the cap waits for one
+        // of them, dead context or not.
+        self.guards.clear();
+        self.execs.clear();
+        self.owners.clear();
+        self.owned.clear();
+        let leaks = !self.leaked.is_empty() || !self.stuck.is_empty();
+        self.resolve_dead(KILL_CODE, leaks);
+        // A foreign capture dies with the context: its end fails (not checked).
+        for f in std::mem::take(&mut self.foreign) {
+            let _ = f.end_ignoring_the_result();
+        }
+        self.bufs.clear();
+        self.leaked_uses.clear();
+        self.kernels = None;
+        self.ctx = None;
+        // A loan keeps its stream past the `Context`; the borrower's work on it fails now.
+        for l in std::mem::take(&mut self.loans) {
+            let _ = self.sim.enqueue_work(l.h.0, 1_000);
+            drop(l);
+        }
+        assert_thread_state(&self.sim, self.other, "the teardown of a dead context");
+        // SAFETY: the model's retain of device 1's primary context, released once.
+        unsafe {
+            self.sim
+                .primary_ctx_release(self.sim.device_get(1).expect("device 1"))
+        }
+        .expect("release device 1's primary context");
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
     }
@@ -2215,6 +2288,9 @@ pub fn run_ops(cap: Option<usize>, ops: &[Op]) {
             eprintln!("step {k}: {op:?}");
         }
         m.step(op);
+        if m.dead {
+            break;
+        }
     }
     m.teardown();
 }
