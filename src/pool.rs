@@ -840,6 +840,10 @@ pub(crate) struct Gate {
     returned_len: AtomicUsize,
     /// Streams in waiters' mailboxes or `returned` (handed over, held by no owner yet).
     handed: AtomicUsize,
+    /// Wake-up host functions enqueued by [`Pool::arm`] that have not run yet. While any is
+    /// out, a first waiter that leaves passes at least one notification on (see
+    /// [`Gate::leave`]).
+    wake_ups_out: AtomicUsize,
 }
 
 impl Gate {
@@ -855,6 +859,7 @@ impl Gate {
             returned: Mutex::new(Vec::new()),
             returned_len: AtomicUsize::new(0),
             handed: AtomicUsize::new(0),
+            wake_ups_out: AtomicUsize::new(0),
         }
     }
 
@@ -1031,13 +1036,16 @@ impl Gate {
     /// Leaves the queue (see [`Leaving`] for what is passed on). The leaving waiter's waker is
     /// dropped, and the others are woken, after the queue's lock.
     ///
-    /// `armed`: the waiter was waiting for GPU work (it armed wake-ups on busy streams, and
-    /// looked for a fault of its context now and then, as those wake-ups never run in a dead
-    /// context). Then it passes at least one notification on, however it leaves: the next
-    /// waiter attempts, arms in turn, and takes over the looking. Passing none left that waiter
-    /// first without a turn, waiting for the wake-ups only, and it slept for ever when the
-    /// context died (the hang of CI at stop 36).
-    fn leave(&self, id: u64, how: Leaving, armed: bool) {
+    /// While wake-ups armed on busy streams are out (`wake_ups_out`), the first waiter passes
+    /// at least one notification on, however it leaves: the next one attempts at once, arms in
+    /// its turn and looks for a fault of its context now and then, as those wake-ups never run
+    /// in a dead context. A waiter that became first without a notification waited for the
+    /// wake-ups only, and slept for ever when the context died: the hang of CI at stop 36 (the
+    /// first waiter, armed, was cancelled), and review 18's (it was served by its first attempt,
+    /// never armed, while a wake-up armed before it was out). With none out, nothing but a
+    /// release, a destroy or a loan's end can serve the next waiter, and each notifies it: it
+    /// is not woken for nothing.
+    fn leave(&self, id: u64, how: Leaving) {
         let mut wakes: SmallVec<[Wake; 2]> = SmallVec::new();
         let mut handed_to = None;
         let left;
@@ -1056,7 +1064,12 @@ impl Gate {
                 Leaving::Unserved => w.notified + w.consumed,
                 Leaving::Failed => (w.notified + w.consumed).max(1),
             };
-            let pass = if armed { pass.max(1) } else { pass };
+            // At least one while wake-ups are out (see above).
+            let pass = if self.wake_ups_out.load(Ordering::Acquire) > 0 {
+                pass.max(1)
+            } else {
+                pass
+            };
             let handed = w.handed.take();
             left = w;
             if let Some((slot, gen)) = handed {
@@ -1155,7 +1168,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.gate.leave(self.id, self.leaving, self.armed);
+        self.gate.leave(self.id, self.leaving);
     }
 }
 
@@ -1488,8 +1501,10 @@ impl Pool {
                     }
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
+                self.gate.wake_ups_out.fetch_add(1, Ordering::AcqRel);
                 let f = crate::hostfn::host_fn(move || {
                     armed.armed.store(RAN, Ordering::Release);
+                    gate.wake_ups_out.fetch_sub(1, Ordering::AcqRel);
                     gate.notify();
                 });
                 // SAFETY: the stream is live (not destroyed, under its lock), held by nobody
@@ -1497,6 +1512,7 @@ impl Pool {
                 // driver function.
                 if let Err(e) = unsafe { driver.launch_host_func(slot.enqueue(), f) } {
                     slot.armed.store(UNARMED, Ordering::Release);
+                    self.gate.wake_ups_out.fetch_sub(1, Ordering::AcqRel);
                     return Err(e);
                 }
             }

@@ -10,6 +10,7 @@ mod futures_util;
 
 use cuda_stream_pool::driver::{Driver, SimDriver};
 use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode};
+use std::future::Future;
 use std::sync::Arc;
 
 const FAULT: ErrorCode = ErrorCode::ERROR_ILLEGAL_ADDRESS;
@@ -256,6 +257,147 @@ fn a_waiter_behind_a_served_waiter_gets_the_sticky_error() {
         let e = second.join().unwrap().map(|_| ()).unwrap_err();
         assert_eq!(e.code(), Some(FAULT), "{e}");
         drop(first);
+    });
+}
+
+// Regression: review 18, defect 1 (the same hang as CI's at stop 36, reached without a
+// cancellation of an armed waiter: the first waiter was served by its first attempt, never armed,
+// and passed no notification on while a wake-up armed before it was pending; the waiter behind
+// it never looked for the fault). The tests are the reviewer's.
+fn capped(n: usize) -> (Arc<SimDriver>, Context) {
+    let sim = Arc::new(SimDriver::new());
+    let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(n));
+    let ctx = Context::primary_with(sim.clone(), 0, opts).unwrap();
+    (sim, ctx)
+}
+
+/// Cap 2. S2 retired busy for ever, armed by waiter P0; S1 comes back (busy, then done) while P0
+/// is first and notified; P0 is cancelled (passes 1); P takes S1 on its first attempt, never
+/// arming (passes 0); W becomes first with no notification while S2's wake-up is pending. The
+/// context dies: W never attempts, never looks for the fault.
+/// Returns the sim, the context, P's owner (kept: a task still working) and W (queued, pending).
+fn behind_a_waiter_served_on_its_first_attempt() -> (
+    Arc<SimDriver>,
+    Context,
+    cuda_stream_pool::Owner,
+    std::pin::Pin<Box<cuda_stream_pool::OwnerReady>>,
+) {
+    let (sim, ctx) = capped(2);
+    let (_, noop) = futures_util::waker();
+    let mut cx = std::task::Context::from_waker(&noop);
+    let a = ctx.owner();
+    let s1 = a.stream().unwrap().raw();
+    {
+        let b = ctx.owner();
+        let s2 = b.stream().unwrap();
+        sim.enqueue_work(s2.raw(), u64::MAX / 4).unwrap(); // never ends
+    } // S2 retired busy
+    let mut p0 = Box::pin(ctx.owner().ready());
+    assert!(
+        p0.as_mut().poll(&mut cx).is_pending(),
+        "P0 at the cap, armed on S2"
+    );
+    let mut p = Box::pin(ctx.owner().ready());
+    assert!(p.as_mut().poll(&mut cx).is_pending());
+    let mut w = Box::pin(ctx.owner().ready());
+    assert!(w.as_mut().poll(&mut cx).is_pending());
+    sim.enqueue_work(s1, 10).unwrap();
+    drop(a); // S1 retired busy: notifies P0 (not polled)
+    sim.advance(10); // S1 idle in the pool
+    drop(p0); // cancelled, armed: passes 1 to P
+    let p = match p.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(o) => o.unwrap(), // served by its first attempt (S1): passes 0 to W
+        std::task::Poll::Pending => panic!("P should take S1"),
+    };
+    assert!(w.as_mut().poll(&mut cx).is_pending(), "W first, S2 busy");
+    (sim, ctx, p, w)
+}
+
+/// An async waiter behind one that was served by its first attempt (and so never armed) gets
+/// the sticky error.
+#[test]
+fn async_waiter_behind_a_first_attempt_success_gets_the_sticky_error() {
+    common::finishes("W behind P served on its first attempt", || {
+        let (sim, ctx, p, w) = behind_a_waiter_served_on_its_first_attempt();
+        sim.kill_context(ctx.raw(), FAULT);
+        let e = common::block_on(w).map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+        drop(p);
+    });
+}
+
+/// The same with a blocked thread queued behind the async waiter, which is then cancelled
+/// (mixed kinds).
+#[test]
+fn blocked_waiter_behind_a_first_attempt_success_gets_the_sticky_error() {
+    common::finishes("blocked W behind P served on its first attempt", || {
+        let (sim, ctx, p, w) = behind_a_waiter_served_on_its_first_attempt();
+        // Replace the async W by a blocked thread queued behind it, then cancel the async one.
+        let before = ctx.stats().waits;
+        let t = {
+            let ctx = ctx.clone();
+            std::thread::spawn(move || ctx.owner().stream().map(|_| ()))
+        };
+        while ctx.stats().waits == before {
+            std::thread::yield_now();
+        }
+        drop(w); // W was first, never notified, not armed: passes 0 to the thread
+        sim.kill_context(ctx.raw(), FAULT);
+        let e = t.join().unwrap().unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+        drop(p);
+    });
+}
+
+/// The same without any cancellation: cap 3, S2 retired busy for ever (armed by P0); S1 and S3
+/// come back while P0 is first (two notifications). P0 is served by its attempt, P by its first
+/// attempt (never armed): W is first behind S2's wake-up. The context dies while P0 and P work:
+/// W gets the sticky error.
+#[test]
+fn a_waiter_behind_two_served_waiters_gets_the_sticky_error() {
+    common::finishes("W behind two served waiters", || {
+        let (sim, ctx) = capped(3);
+        let (_, noop) = futures_util::waker();
+        let mut cx = std::task::Context::from_waker(&noop);
+        let (a, c) = (ctx.owner(), ctx.owner());
+        let (s1, s3) = (a.stream().unwrap().raw(), c.stream().unwrap().raw());
+        {
+            let b = ctx.owner();
+            let s2 = b.stream().unwrap();
+            sim.enqueue_work(s2.raw(), u64::MAX / 4).unwrap();
+        }
+        let mut p0 = Box::pin(ctx.owner().ready());
+        assert!(p0.as_mut().poll(&mut cx).is_pending(), "armed on S2");
+        let mut p = Box::pin(ctx.owner().ready());
+        assert!(p.as_mut().poll(&mut cx).is_pending());
+        let mut w = Box::pin(ctx.owner().ready());
+        assert!(w.as_mut().poll(&mut cx).is_pending());
+        sim.enqueue_work(s1, 10).unwrap();
+        sim.enqueue_work(s3, 10).unwrap();
+        drop((a, c)); // both retired busy: P0 notified twice
+        sim.advance(10);
+        let std::task::Poll::Ready(Ok(o0)) = p0.as_mut().poll(&mut cx) else {
+            panic!("P0")
+        };
+        let std::task::Poll::Ready(Ok(o1)) = p.as_mut().poll(&mut cx) else {
+            panic!("P")
+        };
+        sim.kill_context(ctx.raw(), FAULT);
+        let e = common::block_on(w).map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Some(FAULT), "{e}");
+        drop((o0, o1));
+    });
+}
+
+/// Without the fault, the waiter of the scenario above is served when S2's work completes (the
+/// wake-up armed before it notifies it).
+#[test]
+fn without_a_fault_the_waiter_behind_a_first_attempt_success_is_served() {
+    common::finishes("control", || {
+        let (sim, _ctx, p, w) = behind_a_waiter_served_on_its_first_attempt();
+        sim.advance(u64::MAX / 4);
+        drop(common::block_on(w).expect("served by S2's completion"));
+        drop(p);
     });
 }
 
