@@ -153,7 +153,7 @@ impl Refs {
     }
 
     /// Marks the state freed (loom tests): later accesses fail.
-    #[cfg(loom)]
+    #[cfg(all(test, loom))]
     fn mark_freed(&self) {
         self.freed.store(true, std::sync::atomic::Ordering::SeqCst);
     }
