@@ -345,11 +345,9 @@ impl Owner {
     /// (the next waiter gets the turn). The future is `Send`.
     ///
     /// A future that waits in the queue keeps its place there until it is polled to the end or
-    /// dropped. One that is never polled again and never dropped (leaked with `mem::forget`, or
-    /// its task abandoned by its executor) is safe, but it is still first in line: it may take a
-    /// stream that a release hands it (leaked with it), and the waiters queued behind it wait
-    /// until then, or for ever when the streams come back busy (served in order, they wait for
-    /// the first one to act). Drop such futures instead.
+    /// dropped: one that is leaked (`mem::forget`) or never polled again holds up the waiters
+    /// behind it (see "Limits that follow from the rules" in the crate's docs). Drop such
+    /// futures instead.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver, Context, ContextOptions};
