@@ -476,15 +476,6 @@ impl Context {
         inner.refs.handle_made();
         Context { inner, user }
     }
-
-    /// The handle's strong reference and user, the handle uncounted (as if dropped).
-    fn into_parts(self) -> (Arc<CtxInner>, u64) {
-        let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the field is read once from a value that is never dropped.
-        let inner = unsafe { std::ptr::read(&me.inner) };
-        give_up_shards(&inner);
-        (inner, me.user)
-    }
 }
 
 /// A user handle of `inner` is gone (its strong reference, `inner`, still held): drops the
@@ -678,15 +669,23 @@ impl Context {
         if made.inner.options.isolated {
             return Ok(made);
         }
-        let (made, user) = made.into_parts();
-        let (inner, registered, later) = STATES.register(key, made, CtxInner::joinable);
-        // Outside the registry's lock: the state that lost the race is torn down here.
-        drop(later);
+        // `made` stays a counted handle throughout. (Uncounting it and counting it again, as
+        // the first version did, took the state's handles to zero, which marks every shard
+        // `CLOSING` for good: each owner then took and gave back a strong reference of the
+        // `Arc` that every thread shares, the cost that per-shard counts were made to remove.)
+        let (inner, registered, later) =
+            STATES.register(key, made.inner.clone(), CtxInner::joinable);
         if registered {
-            Ok(Context::from_parts(inner, user))
-        } else {
-            Self::join(inner, options, None)
+            // `inner` is `made`'s own state.
+            drop(inner);
+            drop(later);
+            return Ok(made);
         }
+        // Another thread registered a state of this context first: this one (its last strong
+        // reference in `later`) is torn down here, outside the registry's lock.
+        drop(made);
+        drop(later);
+        Self::join(inner, options, None)
     }
 
     /// Adopts a context that another crate created (e.g. cudarc's `CudaContext::cu_ctx()`).
@@ -1355,6 +1354,16 @@ impl Context {
     #[doc(hidden)]
     pub fn model_set_poller_cold_after(&self, d: std::time::Duration) {
         self.inner.hub().set_cold_after(d)
+    }
+
+    /// How many of the state's shards are `CLOSING` (their last owner gives up their strong
+    /// reference): none while a user handle lives, unless every handle was dropped once and
+    /// one made again from an owner. Not part of the API: for the crate's tests (feature
+    /// `model-hooks`).
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_closing_shards(&self) -> usize {
+        self.inner.refs.closing_shards()
     }
 
     pub(crate) fn same(&self, other: &Context) -> bool {

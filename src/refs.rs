@@ -152,6 +152,15 @@ impl Refs {
         }
     }
 
+    /// Shards marked `CLOSING` (a reading), for the crate's tests.
+    #[cfg(feature = "model-hooks")]
+    pub(crate) fn closing_shards(&self) -> usize {
+        self.shards
+            .iter()
+            .filter(|s| self.at(s.load(Ordering::Acquire)) & CLOSING != 0)
+            .count()
+    }
+
     /// Marks the state freed (loom tests): later accesses fail.
     #[cfg(all(test, loom))]
     fn mark_freed(&self) {

@@ -133,3 +133,31 @@ fn a_forgotten_object_leaks_the_state_and_frees_nothing_under_it() {
     assert_eq!(c.live_streams, streams, "{c:?}");
     assert_eq!(c.live_allocs, 1, "{c:?}");
 }
+
+// Regression: issue 22's 16-thread cost. `Context::primary` registered its new state by
+// uncounting the handle and counting it again: the handles went to zero, which marks every shard
+// `CLOSING` for good, and then every owner took and gave back a strong reference of the `Arc` that
+// all threads share (found with `perf` at two threads: 26 % of the time in `CtxRef`'s drop, on
+// the `Arc`'s count).
+/// A state made by `Context::primary` (and joined by a second user) has no `CLOSING` shard while
+/// its handles live, before and after owners come and go on several threads.
+#[test]
+fn no_shard_is_closing_while_a_handle_lives() {
+    let (_sim, ctx) = setup();
+    assert_eq!(ctx.model_closing_shards(), 0, "after Context::primary");
+    let joined = Context::primary(ctx.driver().clone(), 0).unwrap();
+    std::thread::scope(|sc| {
+        for _ in 0..4 {
+            let ctx = &ctx;
+            sc.spawn(move || {
+                for _ in 0..10 {
+                    let o = ctx.owner();
+                    o.stream().unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(ctx.model_closing_shards(), 0, "after owners came and went");
+    drop(joined);
+    assert_eq!(ctx.model_closing_shards(), 0, "after a second user left");
+}
