@@ -88,6 +88,22 @@ impl Cover {
     }
 }
 
+/// A completion that resolved with success: after the work it covers, and complete.
+fn check_done(sim: &SimDriver, c: &Completion, cover: &Cover, what: &str) {
+    cover.check(sim, what);
+    assert!(c.is_complete(), "{what}: resolved, but not complete");
+}
+
+/// A host copy that resolved with `v`: after the work it covers, of its length, with the
+/// contents the model expects (if it knew them).
+fn check_copy(sim: &SimDriver, v: &[u32], cover: &Cover, len: usize, expect: Option<&[u32]>) {
+    cover.check(sim, "a host copy");
+    assert_eq!(v.len(), len, "a host copy's length");
+    if let Some(want) = expect {
+        assert_eq!(v, want, "a host copy resolved with unexpected contents");
+    }
+}
+
 /// The future of an attached owner: what `Context::stream` returned before and after awaiting.
 type AttachFut = Pin<Box<dyn Future<Output = (Option<u64>, Option<u64>)>>>;
 
@@ -352,8 +368,7 @@ impl Model {
                 Poll::Pending => true,
                 Poll::Ready(r) => {
                     assert!(r.is_ok(), "a completion failed: {r:?}");
-                    cover.check(&self.sim, "a completion");
-                    assert!(c.is_complete(), "a resolved completion is not complete");
+                    check_done(&self.sim, c, cover, "a completion");
                     false
                 }
             },
@@ -366,11 +381,7 @@ impl Model {
                 Poll::Pending => true,
                 Poll::Ready(r) => {
                     let v = r.expect("a host copy failed");
-                    cover.check(&self.sim, "a host copy");
-                    assert_eq!(v.len(), *len, "a host copy's length");
-                    if let Some(want) = expect {
-                        assert_eq!(&v, want, "a host copy resolved with unexpected contents");
-                    }
+                    check_copy(&self.sim, &v, cover, *len, expect.as_deref());
                     false
                 }
             },
@@ -670,7 +681,7 @@ impl Model {
                     Kind::Done { f: c, cover } => match Pin::new(&mut *c).poll(&mut cx) {
                         Poll::Pending => false,
                         Poll::Ready(Ok(())) => {
-                            cover.check(&self.sim, "a completion of a dead context");
+                            check_done(&self.sim, c, cover, "a completion of a dead context");
                             true
                         }
                         Poll::Ready(Err(e)) => {
@@ -686,14 +697,7 @@ impl Model {
                     } => match Pin::new(&mut *c).poll(&mut cx) {
                         Poll::Pending => false,
                         Poll::Ready(Ok(v)) => {
-                            cover.check(&self.sim, "a host copy of a dead context");
-                            assert_eq!(v.len(), *len, "a host copy's length");
-                            if let Some(want) = expect {
-                                assert_eq!(
-                                    &v, want,
-                                    "a host copy resolved with unexpected contents"
-                                );
-                            }
+                            check_copy(&self.sim, &v, cover, *len, expect.as_deref());
                             true
                         }
                         Poll::Ready(Err(e)) => {
