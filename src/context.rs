@@ -1357,9 +1357,8 @@ impl Context {
     }
 
     /// How many of the state's shards are `CLOSING` (their last owner gives up their strong
-    /// reference): none while a user handle lives, unless every handle was dropped once and
-    /// one made again from an owner. Not part of the API: for the crate's tests (feature
-    /// `model-hooks`).
+    /// reference): none while a user handle lives (a marking still running from the previous
+    /// last drop aside). Not part of the API: for the crate's tests (feature `model-hooks`).
     #[cfg(feature = "model-hooks")]
     #[doc(hidden)]
     pub fn model_closing_shards(&self) -> usize {

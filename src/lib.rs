@@ -180,6 +180,12 @@
 //!   waker, loans and teardown threads): those threads never exit, or outlive the context, so an
 //!   owner made there would keep the context forever. An [`Owner::attach`]ed task polled there
 //!   gets its own owner's stream.
+//! * Every [`Context::primary`] (or other constructor) call is a user of its own, with its own
+//!   implicit owner on each thread that calls [`Context::stream`] with it; that owner and its
+//!   stream stay until the thread exits or [`end_thread_owner`], even after the user's handles
+//!   are gone (an object of the user can make a handle again, and the thread's stream must stay
+//!   the one stream it was). Make a `Context` once per library and clone it: a thread that calls
+//!   `Context::primary(..)?.stream()` per request keeps one stream per call.
 //! * User code that the crate runs during an owner's acquisition (a waker it wakes, the last
 //!   handle of a loan it finds returned, dropped after the acquisition) may use that same owner.
 //! * A kernel that faults its context (a sticky error, [`ErrorCode::is_sticky`]) kills it: every

@@ -10,9 +10,17 @@
 //! goes (the next owner on the shard then writes nothing shared). The last handle's drop marks
 //! every shard `CLOSING` ([`Refs::handle_dropped`]), giving up the references of the shards
 //! without owners; a `CLOSING` shard gives its reference up when its last owner goes
-//! ([`Refs::exit`]), and is never sticky again (a handle made again later only makes its
-//! shards' owners take and give up their reference each time). So the state's teardown (the
-//! `Arc`'s last drop) still comes once neither a handle nor an object is left.
+//! ([`Refs::exit`]). So the state's teardown (the `Arc`'s last drop) still comes once neither a
+//! handle nor an object is left.
+//!
+//! **A handle made again** (from an owner's context, or a `Context::primary` that joins a state
+//! only objects kept) clears every shard's `CLOSING` ([`Refs::handle_made`]): a shard with
+//! owners then keeps its reference past its last owner, a shard that gave its reference up takes
+//! one at its next entry. (Review 19: before, a state once without handles stayed `CLOSING` for
+//! good, and every owner of it took and gave back the shared count.) Clearing is safe at any
+//! moment, since the clearing thread holds a strong reference of its own; a marking still running
+//! from the previous last drop may set `CLOSING` again after the clear, which costs speed only.
+//! Every clear comes before that handle's own drop, so the next last drop marks after it.
 //!
 //! **No use after the last access.** An owner's exit is one compare-exchange of its shard's word
 //! that both uncounts it and, when it was the last owner of a `CLOSING` shard, takes the shard's
@@ -24,7 +32,8 @@
 //! **Never freed under an owner**: `HOLDS` is cleared only by a compare-exchange that sees no
 //! owner (the last owner's exit, or the marking), and an owner is counted before the shard's
 //! reference is taken. **No leak**: after the last handle's drop every shard is `CLOSING`
-//! (never cleared), so each gives its reference up with its last owner. Checked under every
+//! (cleared only by a handle made again, whose drop marks them again), so each gives its
+//! reference up with its last owner. Checked under every
 //! interleaving by loom (`scripts/loom.sh`; the tests below also fail on an access to the counts
 //! after the state was freed).
 use crate::sync::atomic::{AtomicUsize, Ordering};
@@ -74,9 +83,15 @@ impl Refs {
         v
     }
 
-    /// A user handle was made (the caller holds a strong reference of its own for it).
+    /// A user handle was made (the caller holds a strong reference of its own for it). The
+    /// first handle after none clears every shard's `CLOSING`, so that its shards keep their
+    /// references again (see the module docs).
     pub(crate) fn handle_made(&self) {
-        self.at(self.handles.fetch_add(1, Ordering::Relaxed));
+        if self.at(self.handles.fetch_add(1, Ordering::Relaxed)) == 0 {
+            for s in self.shards.iter() {
+                self.at(s.fetch_and(!CLOSING, Ordering::AcqRel));
+            }
+        }
     }
 
     /// A user handle is being dropped (its strong reference is still held, so the state is
@@ -387,6 +402,37 @@ mod loom_tests {
             st.drop_handle();
             t.join().unwrap();
             u.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    /// Review 19: a handle made again from an owner clears `CLOSING` while another owner's
+    /// exit races the clear: once both are done (and no last drop runs) no shard is `CLOSING`,
+    /// and the handle's drop then frees the state.
+    #[test]
+    fn loom_refs_a_handle_made_again_clears_closing() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let c = st.enter(1);
+            st.drop_handle();
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    st.make_handle();
+                    st.exit(a);
+                })
+            };
+            st.exit(c);
+            t.join().unwrap();
+            let closing = st
+                .refs
+                .shards
+                .iter()
+                .filter(|s| s.load(Ordering::SeqCst) & CLOSING != 0)
+                .count();
+            assert_eq!(closing, 0, "a shard still CLOSING while a handle lives");
+            st.drop_handle();
             assert!(st.freed(), "a reference was left behind");
         });
     }

@@ -161,3 +161,80 @@ fn no_shard_is_closing_while_a_handle_lives() {
     drop(joined);
     assert_eq!(ctx.model_closing_shards(), 0, "after a second user left");
 }
+
+// Regression (review 19): a handle made again after every handle was gone left every shard
+// `CLOSING` for as long as the state lived: a `Context::primary` that joined a state kept only
+// by an owner (or by the thread's own owner, behind `Context::stream`), or a clone of an owner's
+// context. Safe, but each owner then wrote the count that all threads share.
+/// A `Context::primary` that joins a state only an owner kept clears every shard's `CLOSING`;
+/// the state is still torn down once everything is gone.
+#[test]
+fn a_primary_that_joins_a_state_kept_by_an_owner_clears_closing() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    o.stream().unwrap();
+    drop(ctx);
+    assert!(
+        o.context().model_closing_shards() > 0,
+        "the last handle's drop marks the shards"
+    );
+    let joined = Context::primary(sim.clone(), 0).unwrap();
+    assert_eq!(joined.model_closing_shards(), 0, "after the join");
+    drop(o);
+    assert_eq!(
+        joined.model_closing_shards(),
+        0,
+        "after the owner that kept it"
+    );
+    let before = common::primary_releases(&sim);
+    drop(joined);
+    assert_eq!(common::primary_releases(&sim), before + 1, "torn down once");
+    common::assert_clean(&sim);
+}
+
+/// The thread's own owner (behind `Context::stream`) keeps the state after the handle goes;
+/// the next `Context::primary` on the thread joins it with no shard `CLOSING`.
+#[test]
+fn a_primary_that_joins_a_state_kept_by_the_threads_own_owner_clears_closing() {
+    let sim = Arc::new(SimDriver::new());
+    let d = sim.clone();
+    std::thread::spawn(move || {
+        let c = Context::primary(d.clone(), 0).unwrap();
+        c.stream().unwrap().synchronize().unwrap();
+        drop(c);
+        let again = Context::primary(d, 0).unwrap();
+        for _ in 0..3 {
+            let o = again.owner();
+            o.stream().unwrap();
+        }
+        assert_eq!(again.model_closing_shards(), 0);
+    })
+    .join()
+    .unwrap();
+    common::assert_clean(&sim);
+}
+
+/// A clone of an owner's context, made after every handle was dropped, clears `CLOSING`; its
+/// drop marks the shards again, and the owner's drop then tears the state down.
+#[test]
+fn a_handle_cloned_from_an_owner_clears_closing_and_its_drop_marks_again() {
+    let (sim, ctx) = setup();
+    let o = ctx.owner();
+    o.stream().unwrap();
+    drop(ctx);
+    let again = o.context().clone();
+    assert_eq!(again.model_closing_shards(), 0, "after the clone");
+    drop(again);
+    assert!(
+        o.context().model_closing_shards() > 0,
+        "the clone's drop (the last handle) marks the shards again"
+    );
+    let before = common::primary_releases(&sim);
+    drop(o);
+    assert_eq!(
+        common::primary_releases(&sim),
+        before + 1,
+        "torn down with the owner"
+    );
+    common::assert_clean(&sim);
+}
