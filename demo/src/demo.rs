@@ -81,7 +81,7 @@ pub fn note(line: &str) {
 
 /// Locks a mutex even if a thread panicked while holding it (the data are counters and streams
 /// to drop, valid in any state).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -101,7 +101,7 @@ fn parse_cap(s: &str) -> std::result::Result<f64, String> {
 }
 
 /// Spawns a named thread; failure to start one is an error, not a panic.
-fn spawn<T: Send + 'static>(
+pub(crate) fn spawn<T: Send + 'static>(
     name: String,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> DemoResult<std::thread::JoinHandle<T>> {
@@ -153,14 +153,23 @@ impl MemPoolArg {
     /// The primary context of device 0 with this choice (and, for `DefaultKept`, the default
     /// pool's release threshold raised).
     pub fn context(self, d: Arc<dyn cuda_stream_pool::driver::Driver>) -> DemoResult<Context> {
-        let ctx = Context::primary_with(d, 0, self.options())?;
+        self.context_on(d, 0)
+    }
+
+    /// The primary context of device `ordinal` with this choice (see [`MemPoolArg::context`]).
+    pub fn context_on(
+        self,
+        d: Arc<dyn cuda_stream_pool::driver::Driver>,
+        ordinal: i32,
+    ) -> DemoResult<Context> {
+        let ctx = Context::primary_with(d, ordinal, self.options())?;
         if self == MemPoolArg::DefaultKept {
             ctx.set_release_threshold(u64::MAX)?;
         }
         Ok(ctx)
     }
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             MemPoolArg::Own => "own",
             MemPoolArg::Default => "default",
@@ -213,7 +222,7 @@ JSON (--json, --json-out): one object per line, fields (stable: added, never ren
     about = "The seed's workloads (CUDA.jl PR #3317) with each way of getting a stream for a short task: \
              this crate's pool against one stream per thread, a new stream per task, and more",
     after_help = "`--help` says what the strategies and columns mean.",
-    after_long_help = format!("{LEGEND}\n\n{JSON_HELP}")
+    after_long_help = format!("{LEGEND}\n\n{JSON_HELP}\n\n{}", crate::devices::HELP)
 )]
 pub struct Options {
     /// Driver to use.
@@ -247,6 +256,16 @@ pub struct Options {
     /// Also write the rows as JSON lines to this file (the schema of --json).
     #[arg(long)]
     pub json_out: Option<std::path::PathBuf>,
+    /// Devices to spread the worker threads over (thread t on device t % N), one primary
+    /// context, pool and kernels per device; with 2 or more, per-device rows of floor, pool and
+    /// pool-tls, and checks that nothing crosses devices (see below). The simulated driver then
+    /// has N devices.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=crate::devices::MAX_DEVICES as i64))]
+    pub devices: u32,
+    /// Devices of the simulated driver (default: --devices); fewer than --devices is an error,
+    /// as on a machine with fewer GPUs. Simulated driver only.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=crate::devices::MAX_DEVICES as i64))]
+    pub sim_devices: Option<u32>,
 }
 
 impl Options {
@@ -357,7 +376,7 @@ impl Drop for Counted {
 }
 
 /// One unit of the `short` workload on stream `s`.
-fn short_task(k: &Kernels, s: &StreamRef) -> Result<()> {
+pub(crate) fn short_task(k: &Kernels, s: &StreamRef) -> Result<()> {
     let x = DeviceBuffer::<f32>::zeroed(s, 1024)?;
     let sum = DeviceBuffer::<f32>::zeroed(s, 1)?;
     k.add_one(s, &x)?;
@@ -372,14 +391,14 @@ fn short_task(k: &Kernels, s: &StreamRef) -> Result<()> {
 }
 
 /// The producer's half of a `prodcons` iteration: a filled buffer on the producer's stream.
-fn produce(k: &Kernels, p: &StreamRef) -> Result<DeviceBuffer<f32>> {
+pub(crate) fn produce(k: &Kernels, p: &StreamRef) -> Result<DeviceBuffer<f32>> {
     let x = DeviceBuffer::<f32>::zeroed(p, 1024)?;
     k.add_one(p, &x)?;
     Ok(x)
 }
 
 /// The consumer's half on its own stream; drops (frees) the buffer there.
-fn consume(k: &Kernels, s: &StreamRef, x: DeviceBuffer<f32>) -> Result<()> {
+pub(crate) fn consume(k: &Kernels, s: &StreamRef, x: DeviceBuffer<f32>) -> Result<()> {
     k.add_one(s, &x)?;
     let sum = DeviceBuffer::<f32>::zeroed(s, 1)?;
     k.sum(s, &x, &sum)?;
@@ -390,6 +409,21 @@ fn consume(k: &Kernels, s: &StreamRef, x: DeviceBuffer<f32>) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// A row's progress bar (on standard error), or a hidden one.
+pub(crate) fn progress_bar(progress: bool, tasks: usize, prefix: String) -> indicatif::ProgressBar {
+    if !progress {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(tasks as u64);
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} {per_sec}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    b.set_prefix(prefix);
+    b
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -429,20 +463,7 @@ fn run_one(
         })?
     };
     let deadline = Instant::now() + Duration::from_secs_f64(cap);
-    let bar = if progress {
-        let b = indicatif::ProgressBar::new(tasks as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{prefix:>24} [{bar:30}] {pos}/{len} {per_sec}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        b.set_prefix(format!("{workload} {strategy} x{threads}"));
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = progress_bar(progress, tasks, format!("{workload} {strategy} x{threads}"));
     let done = Arc::new(AtomicUsize::new(0));
     let kept: Arc<Mutex<Vec<Counted>>> = Arc::new(Mutex::new(Vec::new()));
     let t0 = Instant::now();

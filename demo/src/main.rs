@@ -13,6 +13,7 @@ use demo::{note, out, DemoResult, Failure};
 use std::process::ExitCode;
 
 mod demo;
+mod devices;
 
 /// One line: the demo's errors never span lines (a driver's message may).
 fn one_line(s: &str) -> String {
@@ -53,9 +54,16 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    // The demo's simulation runs on a real-time clock with the H200's measured latencies.
+    // The demo's simulation runs on a real-time clock with the H200's measured latencies; it has
+    // --sim-devices devices (default: --devices).
     let drv: std::sync::Arc<dyn driver::Driver> = if drv.kind() == "sim" {
-        std::sync::Arc::new(driver::SimDriver::realtime())
+        match opts.sim_devices.unwrap_or(opts.devices) {
+            1 => std::sync::Arc::new(driver::SimDriver::realtime()),
+            n => std::sync::Arc::new(devices::sim_driver(n)),
+        }
+    } else if opts.sim_devices.is_some() {
+        note("error: --sim-devices is for the simulated driver (--driver sim) (see --help)");
+        return ExitCode::from(2);
     } else {
         drv
     };
@@ -96,6 +104,9 @@ fn run(
         say("driver: CUDA".into())?;
     }
     drv.init()?;
+    if opts.devices > 1 {
+        return devices::run(drv, &opts, &say);
+    }
     let dev = drv.device_get(0)?;
     let version = drv.driver_version()?;
     let ctx = opts.mem_pool.context(drv.clone())?;
