@@ -6,6 +6,7 @@
 //! cargo run --release                     # real driver when present, else the simulation
 //! cargo run --release -- --driver sim     # force the simulation (--driver cuda forces the GPU)
 //! cargo run --release --features cudarc   # with the `cudarc` strategy
+//! cargo run --release -- --devices 2      # threads over two GPUs, a row per device (issue 24)
 //! ```
 
 use cuda_stream_pool::driver::{self, Choice, DeviceAttr};
