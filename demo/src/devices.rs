@@ -37,17 +37,17 @@ const STRATEGIES: [&str; 3] = ["floor", "pool", "pool-tls"];
 /// What `--help` says about `--devices`.
 pub const HELP: &str = "\
 Devices (--devices N, N >= 2; issue 24): the threads of each row spread over devices 0..N-1
-  (thread t on device t % N; --threads must be at least N), one primary context, pool and set
-  of kernels per device; strategies floor, pool and pool-tls only. One row per device and
-  one for all (device `all`: the row's wall time, the sum of the devices' peak streams);
-  threads and tasks are the device's; x_floor is over the floor's row of the same device
-  and run. Checked (a failure exits with code 1): every buffer belongs to its thread's
-  device and is used and freed on that device's streams (a buffer of device 0 on a stream
-  of device 1 must be refused); after each run no stream is in use or lent and nothing is
-  pending on any device; the current context of every thread is unchanged; on the
-  simulated driver, the simulation's misuse log is empty and nothing is left alive once
-  the contexts are gone. With --json the rows add `device` (integer, null for all) and
-  `devices` and have no peak_mem_bytes or capped. Fewer devices than N: an error (exit 1).";
+  (thread t on device t % N; --threads must be at least N), one primary context, pool and
+  set of kernels per device; strategies floor, pool and pool-tls only. One row per device
+  and one for all (device `all`: the row's wall time, the sum of the devices' peak streams);
+  threads and tasks are the device's; x_floor is over the floor's row of the same device and
+  run; no mem_MiB column. Checked (a failure exits with code 1): every buffer belongs to its
+  thread's device and is used and freed on that device's streams (a buffer of device 0 on a
+  stream of device 1 must be refused); after each run no stream is in use or lent and
+  nothing is pending on any device; the current context of every thread is unchanged; on the
+  simulated driver, the simulation's misuse log is empty and nothing is left alive once the
+  contexts are gone. With --json the rows add `device` (integer, null for all) and `devices`
+  and have no peak_mem_bytes or capped. Fewer devices than N: an error (exit 1).";
 
 /// A real-time simulation (the demo's latency model, as `SimDriver::realtime`) with `devices`
 /// devices.
