@@ -98,7 +98,8 @@ fn check_two_device_rows(rows: &[Row], workloads: &[&str], threads: &[usize], ta
                     // At least the disposal stream and one stream per thread of the device.
                     assert!(r.streams > 1, "{r:?}");
                 }
-                assert_eq!(all.streams, d0.streams + d1.streams, "{all:?}");
+                // (`all`'s peak is the sum of one run's device peaks, but each row is the median
+                // run of its own device: with repeats, the rows may come from different runs.)
             }
         }
     }
