@@ -2086,6 +2086,8 @@ impl Model {
             // checked.
             let misuse = self.sim.misuse();
             assert!(misuse.is_empty(), "misuse: {misuse:?}");
+            // The leaked state keeps the simulation: end its thread (see `teardown_dead`).
+            self.sim.end_host_thread();
             return;
         }
         // Objects dropped inside host functions, and a last context dropped while the poller
@@ -2159,6 +2161,10 @@ impl Model {
         .expect("release device 1's primary context");
         let misuse = self.sim.misuse();
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
+        // The dead context's state, and with it the simulation, is leaked by design: its
+        // host-function thread would live on for the rest of the process (thousands of them in
+        // a campaign, which slowed every later input).
+        self.sim.end_host_thread();
     }
 }
 

@@ -708,6 +708,47 @@ impl SimDriver {
         (self.host_jobs.0.load(Ordering::SeqCst), returned)
     }
 
+    /// Ends the simulation's host-function thread now, once the host functions already sent to
+    /// it have run, as the simulation's drop does; a host function that becomes due later starts
+    /// another. For a simulation kept alive on purpose (a dead or leaked context's state holds
+    /// its driver): without this its thread lives as long as the process. Returns whether a
+    /// thread was ended; `false` also when called on that thread (from a host function), where
+    /// it would wait for itself.
+    ///
+    /// ```
+    /// # use cuda_stream_pool::{driver::SimDriver, Context};
+    /// # use std::sync::Arc;
+    /// let sim = Arc::new(SimDriver::new());
+    /// let ctx = Context::primary(sim.clone(), 0).unwrap();
+    /// let owner = ctx.owner();
+    /// let s = owner.stream().unwrap();
+    /// s.launch_host_func(|| {}).unwrap();
+    /// s.synchronize().unwrap();
+    /// assert!(sim.end_host_thread());
+    /// assert!(!sim.end_host_thread());                // none left
+    /// s.launch_host_func(|| {}).unwrap();             // starts another
+    /// s.synchronize().unwrap();
+    /// assert_eq!(sim.host_fn_progress(), (2, 2));
+    /// ```
+    pub fn end_host_thread(&self) -> bool {
+        let mut st = self.lock();
+        let on_it = st
+            .host
+            .as_ref()
+            .is_some_and(|w| w.thread.thread().id() == std::thread::current().id());
+        if on_it {
+            return false;
+        }
+        let Some(w) = st.host.take() else {
+            return false;
+        };
+        // Outside the lock: its host functions may call the simulation.
+        drop(st);
+        drop(w.tx);
+        let _ = w.thread.join();
+        true
+    }
+
     /// Stream creations blocked right now behind a GPU-side wait ([`SimConfig::create_stall_at`]).
     pub fn blocked_creates(&self) -> u64 {
         let mut st = self.lock();
