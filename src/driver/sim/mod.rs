@@ -208,6 +208,9 @@ struct State {
     freed: BTreeMap<u64, (u64, String)>,
     /// The host-function worker, started on first use.
     host: Option<streams::HostWorker>,
+    /// The last worker ended by [`SimDriver::end_host_thread`], until a new one starts: the new
+    /// one waits for it to return (see `streams::host_worker`).
+    host_ended: Option<std::sync::mpsc::Receiver<()>>,
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
@@ -383,6 +386,7 @@ impl SimDriver {
                 host_version: 0,
                 freed: BTreeMap::new(),
                 host: None,
+                host_ended: None,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
                 watch: streams::Watched::default(),
@@ -708,12 +712,14 @@ impl SimDriver {
         (self.host_jobs.0.load(Ordering::SeqCst), returned)
     }
 
-    /// Ends the simulation's host-function thread now, once the host functions already sent to
-    /// it have run, as the simulation's drop does; a host function that becomes due later starts
-    /// another. For a simulation kept alive on purpose (a dead or leaked context's state holds
-    /// its driver): without this its thread lives as long as the process. Returns whether a
-    /// thread was ended; `false` also when called on that thread (from a host function), where
-    /// it would wait for itself.
+    /// Ends the simulation's host-function thread once the host functions already sent to it
+    /// have run, as the simulation's drop does, and waits for it to return, unless called from
+    /// a host function (then it does not wait). A host function that becomes due later starts
+    /// another thread, which runs nothing before the ended one has returned: host functions
+    /// still run one at a time, in order. For a simulation kept alive on purpose (a dead or
+    /// leaked context's state holds its driver): without this its thread lives as long as the
+    /// process. Returns whether a thread was ended. As with the simulation's drop, a caller
+    /// that holds what a pending host function waits for never returns.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver::SimDriver, Context};
@@ -732,19 +738,19 @@ impl SimDriver {
     /// ```
     pub fn end_host_thread(&self) -> bool {
         let mut st = self.lock();
-        let on_it = st
-            .host
-            .as_ref()
-            .is_some_and(|w| w.thread.thread().id() == std::thread::current().id());
-        if on_it {
-            return false;
-        }
         let Some(w) = st.host.take() else {
             return false;
         };
-        // Outside the lock: its host functions may call the simulation.
+        // A later worker waits for this one (the last ended worker waited for the one before).
+        st.host_ended = Some(w.gone);
         drop(st);
+        // Outside the lock: its host functions may call the simulation.
         drop(w.tx);
+        if streams::IN_HOST_FN.with(|c| c.get()) {
+            // This thread may be the worker itself, or one that a host function of it waits
+            // for: it returns on its own once its jobs have run.
+            return true;
+        }
         let _ = w.thread.join();
         true
     }

@@ -261,21 +261,31 @@ pub(super) type HostJob = Box<dyn FnOnce() + Send + 'static>;
 pub(super) struct HostWorker {
     pub(super) tx: mpsc::Sender<HostJob>,
     pub(super) thread: std::thread::JoinHandle<()>,
+    /// Disconnected when the thread has returned (its sender is dropped then): a worker started
+    /// after this one was ended waits on it, so that host functions still run one at a time.
+    pub(super) gone: mpsc::Receiver<()>,
 }
 
 /// Starts the worker; `None` when no thread can be started (host functions then run on the
-/// thread that completes them).
-pub(super) fn host_worker() -> Option<HostWorker> {
+/// thread that completes them). `after`: the `gone` of an ended worker that may still be running
+/// its last jobs; the new one runs none before that one has returned.
+pub(super) fn host_worker(after: Option<mpsc::Receiver<()>>) -> Option<HostWorker> {
     let (tx, rx) = mpsc::channel::<HostJob>();
+    let (gone_tx, gone) = mpsc::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("sim-host-fn".into())
         .spawn(move || {
+            let _gone = gone_tx;
+            if let Some(after) = after {
+                // Returns `Err` once the ended worker's thread has returned.
+                let _ = after.recv();
+            }
             while let Ok(job) = rx.recv() {
                 job();
             }
         })
         .ok()?;
-    Some(HostWorker { tx, thread })
+    Some(HostWorker { tx, thread, gone })
 }
 
 impl SimDriver {
@@ -471,7 +481,8 @@ impl SimDriver {
                             let done = done.clone();
                             let cv = self.cv.clone();
                             if st.host.is_none() {
-                                st.host = host_worker();
+                                let after = st.host_ended.take();
+                                st.host = host_worker(after);
                             }
                             let jobs = self.host_jobs.clone();
                             jobs.0.fetch_add(1, Ordering::SeqCst);
