@@ -458,4 +458,109 @@ mod loom_tests {
             assert!(st.freed(), "a reference was left behind");
         });
     }
+
+    /// Review 20: a handle made again (0 -> 1, clearing) while the previous last drop's marking
+    /// still runs, then dropped again (a second marking), with an owner exiting throughout.
+    #[test]
+    fn loom_refs_review20_clear_races_a_marking_still_running() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let b = st.enter(1);
+            let t1 = {
+                let st = st.clone();
+                loom::thread::spawn(move || st.drop_handle())
+            };
+            let t2 = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    // From `b`'s context: 0 -> 1 or 1 -> 2, whichever comes.
+                    st.make_handle();
+                    st.exit(b);
+                    st.drop_handle();
+                })
+            };
+            st.exit(a);
+            t1.join().unwrap();
+            t2.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    /// Review 20: a clear between an entry's `fetch_add(ONE)` and its `fetch_or(HOLDS)` on a
+    /// shard that gave its reference up, and that handle's drop marking again.
+    #[test]
+    fn loom_refs_review20_clear_races_an_entry_taking_the_reference() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let c = st.enter(0);
+            st.drop_handle(); // shard 0: 2*ONE|CLOSING|HOLDS, shard 1: CLOSING
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    st.make_handle(); // from `a`'s context
+                    st.drop_handle();
+                    st.exit(a);
+                })
+            };
+            let b = st.enter(1); // from `c`'s context
+            st.exit(b);
+            st.exit(c);
+            t.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    /// Review 20: a clear racing the last owner's exit that sees `ONE|CLOSING|HOLDS`, with the
+    /// new handle's drop (a marking) racing it as well.
+    #[test]
+    fn loom_refs_review20_clear_and_drop_race_a_closing_exit() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let c = st.enter(0);
+            st.drop_handle(); // shard 0: 2*ONE|CLOSING|HOLDS
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    st.make_handle(); // from `a`'s context
+                    st.exit(a);
+                    st.drop_handle();
+                })
+            };
+            st.exit(c);
+            t.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
+
+    /// Review 20: two threads each make a handle from their owner and drop it, twice: 0 -> 1
+    /// and 1 -> 0 over and over, clears racing markings.
+    #[test]
+    fn loom_refs_review20_two_threads_make_and_drop_handles_repeatedly() {
+        loom::model(|| {
+            let st = State::new();
+            let a = st.enter(0);
+            let b = st.enter(1);
+            st.drop_handle();
+            let t = {
+                let st = st.clone();
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        st.make_handle();
+                        st.drop_handle();
+                    }
+                    st.exit(a);
+                })
+            };
+            for _ in 0..2 {
+                st.make_handle();
+                st.drop_handle();
+            }
+            st.exit(b);
+            t.join().unwrap();
+            assert!(st.freed(), "a reference was left behind");
+        });
+    }
 }
