@@ -86,6 +86,25 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// `--deferred-cap`: a finite number of seconds in (0, [`MAX_DEFERRED_CAP`]].
+/// Joins a row's worker threads; the first error (an earlier one in `first_err`, else a
+/// worker's error or panic) is kept there.
+pub(crate) fn join_workers<E: Into<Failure>>(
+    workers: Vec<std::thread::JoinHandle<std::result::Result<(), E>>>,
+    first_err: &mut Option<Failure>,
+) {
+    for h in workers {
+        match h.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e.into());
+            }
+            Err(_) => {
+                first_err.get_or_insert(Failure::Message("a worker thread panicked".into()));
+            }
+        }
+    }
+}
+
 fn parse_cap(s: &str) -> std::result::Result<f64, String> {
     let v: f64 = s
         .trim()
@@ -563,17 +582,7 @@ fn run_one(
             }
         }
     }
-    for h in workers {
-        match h.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                first_err.get_or_insert(e.into());
-            }
-            Err(_) => {
-                first_err.get_or_insert(Failure::Message("a worker thread panicked".into()));
-            }
-        }
-    }
+    join_workers(workers, &mut first_err);
     let wall = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
     if std::env::var_os("CSP_DEMO_STATS").is_some() {

@@ -478,17 +478,7 @@ fn run_once(
             }
         }
     }
-    for h in workers {
-        match h.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                first_err.get_or_insert(e);
-            }
-            Err(_) => {
-                first_err.get_or_insert(fail("a worker thread panicked"));
-            }
-        }
-    }
+    demo::join_workers(workers, &mut first_err);
     let wall = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
     if let Some(e) = first_err {

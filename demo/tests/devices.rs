@@ -16,6 +16,16 @@ fn demo(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// A run's stdout and stderr, checked to have succeeded.
+fn succeeded(o: &std::process::Output) -> (String, String) {
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    (out, err)
+}
+
 /// One table row of `--devices`: workload strategy device threads tasks wall_s x_floor x_spread
 /// us/owner streams sync_ms.
 #[derive(Debug)]
@@ -121,11 +131,7 @@ fn two_simulated_devices_give_a_row_per_device_with_its_own_floor() {
         "--strategies",
         "floor,pool",
     ]);
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(o.status.success(), "{out}\n{err}");
+    let (out, err) = succeeded(&o);
     assert!(!err.contains("panicked"), "{err}");
     assert!(out.contains("device 0: Simulated H200"), "{out}");
     assert!(out.contains("device 1: Simulated H200"), "{out}");
@@ -291,11 +297,7 @@ fn gpu_two_devices_give_a_row_per_device() {
         "--strategies",
         "floor,pool",
     ]);
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(o.status.success(), "{out}\n{err}");
+    let (out, _) = succeeded(&o);
     assert!(out.contains("checks passed (2 devices)"), "{out}");
     check_two_device_rows(&table(&o.stdout), &["short", "prodcons"], &[4], 2000);
 }
