@@ -554,6 +554,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::alloc`] and [`DeviceBuffer::copy_from_host`].
     pub fn from_slice(stream: &StreamRef<'_>, data: &[T]) -> Result<Self> {
+        // One scope for the allocation, the copy and its wait: relaxed mode once (both the
+        // allocation and the wait need it), the context made current once. No user code runs
+        // in it (`T` is plain data; a failed copy drops the buffer: the crate's own free).
+        let _scope = stream.ctx().inner.scope();
         let mut b = Self::alloc(stream, data.len())?;
         b.copy_from_host(stream, data)?;
         Ok(b)

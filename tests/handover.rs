@@ -248,10 +248,12 @@ fn driver_calls_per_task_do_not_grow() {
 
 /// Measured 2026-12-03: the acquisition's query (the previous owner, `alloc_free`'s, allocated
 /// after the stream was last seen idle: work, so the stream is not known idle; a task's own free
-/// after its read-back no longer asks, since 2026-12-06) with its mode pair (3), the allocation with
-/// its pair (3), two blocking copies with their context switch and synchronize (8 each), the
-/// free with its pair (3).
-const TASK_CALLS: usize = 23;
+/// after its read-back no longer asks, since 2026-12-06) with its mode pair (3); `from_slice`'s
+/// allocation, copy and synchronize in one scope (8: one mode pair, one context switch and its
+/// restore; 11 before the scope, when the allocation had a mode pair of its own); the read-back's
+/// copy with its context switch and its synchronize with its mode pair (7); the free with its
+/// pair (3).
+const TASK_CALLS: usize = 21;
 /// The acquisition's query (3), the allocation (3) and the free (3), each in relaxed mode
 /// (allocations and frees invalidate another thread's global capture otherwise: docs/gpu.md).
 const ALLOC_FREE_CALLS: usize = 9;
