@@ -196,7 +196,19 @@ fn alloc_free_keep_captures(d: &Arc<dyn Driver>) {
     capture_survives(fc.end());
 }
 
+/// `from_slice` (an allocation, a copy and its wait in one scope of the device rules), `to_vec`
+/// and `copy_from_host`, on a thread in global mode, while another thread captures in global
+/// mode: the capture survives. Pins the scope that 3c7c9204 gave `from_slice`.
+fn blocking_copies_keep_foreign_capture(d: &Arc<dyn Driver>) {
+    with_foreign_capture(d, |_, t| {
+        let mut b = DeviceBuffer::from_slice(t, &[5u32; 256]).unwrap();
+        b.copy_from_host(t, &[6u32; 256]).unwrap();
+        assert_eq!(b.to_vec(t).unwrap(), vec![6u32; 256]);
+    });
+}
+
 on_both_drivers! {
+    blocking_copies_keep_foreign_capture,
     context_synchronize_fails_on_a_capturing_context,
     dropping_kernels_keeps_foreign_capture,
     each_kernel_step_keeps_foreign_capture,
@@ -260,6 +272,10 @@ fn every_operation(
     check("Owner::stream");
     let mut buf = DeviceBuffer::<f32>::zeroed(&s, 64).unwrap();
     check("DeviceBuffer::zeroed");
+    let up = DeviceBuffer::from_slice(&s, &[3.0f32; 64]).unwrap();
+    check("DeviceBuffer::from_slice");
+    drop(up);
+    check("DeviceBuffer drop after from_slice");
     buf.copy_from_host(&s, &[2.0; 64]).unwrap();
     check("copy_from_host");
     assert_eq!(buf.to_vec(&s).unwrap(), vec![2.0; 64]);
@@ -598,4 +614,60 @@ fn alloc_and_free_switch_to_relaxed_mode_and_keep_another_threads_global_capture
         r.as_ref().map(|_| ()),
         fmt_calls(&calls)
     );
+}
+
+/// `from_slice` failing at each of its driver calls in turn (the allocation, the context switch,
+/// the copy, the wait, the restores), on a thread where another context is current and the
+/// caller's own capture mode is thread-local: the thread's state is as the caller left it, no
+/// device memory is left behind once the context is synchronized, and the simulation saw no
+/// misuse. Pins the scope that 3c7c9204 gave `from_slice` on its error paths.
+#[test]
+fn a_failing_from_slice_restores_the_thread_and_leaks_nothing() {
+    let sim = Arc::new(SimDriver::with_config(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    }));
+    let mine = Context::primary(sim.clone(), 1).unwrap();
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let o = ctx.owner();
+    let s = o.stream().unwrap();
+    drop(DeviceBuffer::from_slice(&s, &[1u32; 64]).unwrap());
+    ctx.synchronize().unwrap();
+    let base = sim.counters().live_allocs;
+    mine.bind().unwrap();
+    let _guard = cuda_stream_pool::CaptureModeGuard::new(&*sim, CaptureMode::ThreadLocal).unwrap();
+    sim.clear_calls();
+    drop(DeviceBuffer::from_slice(&s, &[1u32; 64]).unwrap());
+    let calls = sim.calls().len() as u64;
+    assert!(calls >= 6, "{:?}", fmt_calls(&sim.calls()));
+    let mut failed = 0;
+    for n in 1..=calls {
+        sim.fail_nth_call(n, ErrorCode::ERROR_UNKNOWN);
+        let r = DeviceBuffer::from_slice(&s, &[2u32; 64]);
+        sim.clear_faults();
+        if let Ok(b) = &r {
+            assert_eq!(b.to_vec(&s).unwrap(), vec![2u32; 64], "call {n}");
+        }
+        failed += r.is_err() as usize;
+        drop(r);
+        assert_eq!(
+            sim.ctx_get_current().unwrap(),
+            mine.raw(),
+            "a from_slice failing at its call {n} left another context current"
+        );
+        assert_eq!(
+            sim.thread_exchange_capture_mode(CaptureMode::ThreadLocal)
+                .unwrap(),
+            CaptureMode::ThreadLocal,
+            "a from_slice failing at its call {n} changed the thread's capture mode"
+        );
+        ctx.synchronize().unwrap();
+        assert_eq!(
+            sim.counters().live_allocs,
+            base,
+            "a from_slice failing at its call {n} left memory behind"
+        );
+    }
+    assert!(failed >= 3, "only {failed} of {calls} faults made it fail");
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
