@@ -2133,8 +2133,8 @@ impl Model {
     /// Runs the GPU's clock on for a state that is leaked (a leaked capture, a dead context), as
     /// the real GPU would: the work not held by a capture runs, what it does wrong is misuse,
     /// and the completions it marks land, so the leaked state's completion poller stops
-    /// reading them (it napped every millisecond for the rest of the process: 1,434 pollers
-    /// after 18 minutes of a campaign, which took most of both cores).
+    /// reading them (it napped up to a millisecond at a time for the rest of the process:
+    /// 1,434 pollers after 18 minutes of a campaign, which took most of both cores).
     fn run_leaked_work(&self) {
         self.sim.advance(3_600_000_000_000);
     }
