@@ -11,7 +11,7 @@ mod calls;
 
 use calls::{fmt_calls, setup};
 use common::{capture_survives, ForeignCapture};
-use cuda_stream_pool::driver::{CaptureMode, Driver, SimConfig, SimDriver};
+use cuda_stream_pool::driver::{CaptureMode, Driver, SimDriver};
 use cuda_stream_pool::kernels::Kernels;
 use cuda_stream_pool::{Context, DeviceBuffer, ErrorCode, OwnedStream, Priority};
 use std::sync::Arc;
@@ -329,10 +329,7 @@ fn every_operation(
 // Regression: issue 19 defect 16 (every operation leaves the crate's context current)
 #[test]
 fn every_operation_restores_the_callers_current_context() {
-    let sim = Arc::new(SimDriver::with_config(SimConfig {
-        devices: 2,
-        ..SimConfig::default()
-    }));
+    let sim = common::sim_two_devices();
     let d: Arc<dyn Driver> = sim.clone();
     let mine = Context::primary(d.clone(), 1).unwrap();
     let ctx = Context::primary(d.clone(), 0).unwrap();
@@ -452,10 +449,7 @@ fn the_sim_applies_the_invalidation_table_to_host_alloc_pools_instantiate_and_mo
 // no context switch, whether no context or another one is current on the thread.
 #[test]
 fn alloc_and_drop_make_one_mode_exchange_pair_and_no_context_switch() {
-    let sim = Arc::new(SimDriver::with_config(SimConfig {
-        devices: 2,
-        ..SimConfig::default()
-    }));
+    let sim = common::sim_two_devices();
     let other = Context::primary(sim.clone(), 1).unwrap();
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let o = ctx.owner();
@@ -518,10 +512,7 @@ unsafe impl cuda_stream_pool::driver::Hook for PanicAt {
 // The device layer's scopes are guards: they restore the thread's state when a call unwinds.
 #[test]
 fn a_panic_inside_an_operation_restores_mode_and_context() {
-    let sim = Arc::new(SimDriver::with_config(SimConfig {
-        devices: 2,
-        ..SimConfig::default()
-    }));
+    let sim = common::sim_two_devices();
     let mine = Context::primary(sim.clone(), 1).unwrap();
     let hooked: Arc<dyn Driver> = Arc::new(cuda_stream_pool::driver::Hooked {
         inner: sim.clone(),
@@ -623,10 +614,7 @@ fn alloc_and_free_switch_to_relaxed_mode_and_keep_another_threads_global_capture
 /// misuse. Pins the scope that 3c7c9204 gave `from_slice` on its error paths.
 #[test]
 fn a_failing_from_slice_restores_the_thread_and_leaks_nothing() {
-    let sim = Arc::new(SimDriver::with_config(SimConfig {
-        devices: 2,
-        ..SimConfig::default()
-    }));
+    let sim = common::sim_two_devices();
     let mine = Context::primary(sim.clone(), 1).unwrap();
     let ctx = Context::primary(sim.clone(), 0).unwrap();
     let o = ctx.owner();

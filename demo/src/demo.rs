@@ -85,7 +85,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `--deferred-cap`: a finite number of seconds in (0, [`MAX_DEFERRED_CAP`]].
 /// Joins a row's worker threads; the first error (an earlier one in `first_err`, else a
 /// worker's error or panic) is kept there.
 pub(crate) fn join_workers<E: Into<Failure>>(
@@ -105,6 +104,7 @@ pub(crate) fn join_workers<E: Into<Failure>>(
     }
 }
 
+/// `--deferred-cap`: a finite number of seconds in (0, [`MAX_DEFERRED_CAP`]].
 fn parse_cap(s: &str) -> std::result::Result<f64, String> {
     let v: f64 = s
         .trim()

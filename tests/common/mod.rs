@@ -14,6 +14,14 @@ pub fn sim() -> Arc<dyn Driver> {
     Arc::new(SimDriver::new())
 }
 
+/// A simulated driver of two devices, with a manual clock.
+pub fn sim_two_devices() -> Arc<SimDriver> {
+    Arc::new(SimDriver::with_config(driver::SimConfig {
+        devices: 2,
+        ..driver::SimConfig::default()
+    }))
+}
+
 /// The real driver; panics (failing the GPU test) when there is none.
 pub fn cuda() -> Arc<dyn Driver> {
     driver::load(Choice::Cuda)
