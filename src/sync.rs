@@ -361,6 +361,16 @@ pub mod hook {
         /// The calling (registered) thread would block on `what`: returns when the scheduler
         /// lets it try again.
         fn yield_now(&self, what: &'static str);
+
+        /// The calling (registered) thread would block on a lock of the crate whose holder
+        /// word is `holder` (the holder's [`thread_id`], 0 when free): returns when the
+        /// scheduler lets it try again. `holder` stays valid until this returns; while the
+        /// thread waits here, a scheduler may read it to tell whether a try could succeed (the
+        /// lock free, or held by a thread that it does not stop).
+        fn wait_for_lock(&self, holder: &AtomicU64) {
+            let _ = holder;
+            self.yield_now("lock");
+        }
     }
 
     thread_local! {
@@ -504,6 +514,12 @@ pub mod hook {
         (BACKGROUND.0.load(Ordering::SeqCst), ran)
     }
 
+    /// The calling thread's identifier in the holder words of the crate's locks (see
+    /// [`Scheduler::wait_for_lock`]).
+    pub fn thread_id() -> u64 {
+        id()
+    }
+
     /// This thread's identifier in a mutex's holder word, shifted left (bit 0 clear). 0 is
     /// "nobody (or in transition)".
     fn id() -> u64 {
@@ -553,6 +569,13 @@ pub mod hook {
         }
     }
 
+    fn wait_for_lock(holder: &AtomicU64) {
+        let s = SCHED.try_with(|s| s.borrow().clone()).ok().flatten();
+        if let Some(s) = s {
+            s.wait_for_lock(holder);
+        }
+    }
+
     // The holder word is only a hint to other threads (whom a contended lock waits for) and a
     // record for the holder itself (a re-entrant lock): relaxed stores suffice (a thread always
     // reads its own latest store; another thread that reads a stale word only retries or
@@ -598,7 +621,7 @@ pub mod hook {
                 // Held by another thread: a scheduled one is stopped at the scheduler, and one
                 // the scheduler does not stop may itself wait for a stopped one (a host
                 // function for a lock that a worker holds): let the scheduler run the others.
-                yield_now("lock");
+                wait_for_lock(holder);
             } else if h != 0 {
                 // Held by a thread the scheduler does not stop: it will release it by itself.
                 let g = m.lock().unwrap_or_else(|p| p.into_inner());
