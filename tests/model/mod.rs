@@ -2071,6 +2071,12 @@ impl Model {
         self.owners.clear();
         self.owned.clear();
         self.kernels = None;
+        let leaks = !self.leaked.is_empty() || !self.stuck.is_empty();
+        let poller = self
+            .ctx
+            .as_ref()
+            .filter(|_| leaks)
+            .map(|c| c.model_poller_stopper());
         self.ctx = None;
         self.end_loans_after_the_context();
         assert_thread_state(&self.sim, self.other, "the teardown");
@@ -2080,15 +2086,19 @@ impl Model {
                 .primary_ctx_release(self.sim.device_get(1).expect("device 1"))
         }
         .expect("release device 1's primary context");
-        if !self.leaked.is_empty() || !self.stuck.is_empty() {
+        if leaks {
             // A leaked capture guard holds a reference to the context: the whole state leaks
             // (never torn down, so never freed or destroyed under the capture). Only misuse is
             // checked, after the GPU's clock has run on (see `run_leaked_work`).
             self.run_leaked_work();
             let misuse = self.sim.misuse();
             assert!(misuse.is_empty(), "misuse: {misuse:?}");
-            // The leaked state keeps the simulation: end its thread (see `teardown_dead`).
+            // The leaked state keeps the simulation: end its thread (see `teardown_dead`), and
+            // its completion poller (see `model_poller_stopper`).
             self.sim.end_host_thread();
+            if let Some(p) = poller {
+                p.stop();
+            }
             return;
         }
         // Objects dropped inside host functions, and a last context dropped while the poller
@@ -2156,6 +2166,9 @@ impl Model {
         self.bufs.clear();
         self.leaked_uses.clear();
         self.kernels = None;
+        // (Taken whether or not the state leaks: stopping a poller that the teardown has
+        // joined does nothing.)
+        let poller = self.ctx.as_ref().map(|c| c.model_poller_stopper());
         self.ctx = None;
         // A loan keeps its stream past the `Context`; the borrower's work on it fails now.
         for l in std::mem::take(&mut self.loans) {
@@ -2174,8 +2187,11 @@ impl Model {
         assert!(misuse.is_empty(), "misuse: {misuse:?}");
         // The dead context's state, and with it the simulation, is leaked by design: its
         // host-function thread would live on for the rest of the process (thousands of them in
-        // a campaign, which slowed every later input).
+        // a campaign, which slowed every later input), and so would its completion poller.
         self.sim.end_host_thread();
+        if let Some(p) = poller {
+            p.stop();
+        }
     }
 }
 
