@@ -1346,17 +1346,17 @@ impl Context {
         self.inner.hub.get().is_none_or(|h| h.poller_cold())
     }
 
-    /// A handle that stops this context's completion poller (if it has one now) when the
-    /// context's state is leaked: the model's teardown of a state that a leaked capture keeps
-    /// takes it before dropping its `Context`, and stops the poller once its last check has
-    /// run. The poller of a leaked state would otherwise read a completion that no clock
+    /// A handle that stops this context's completion poller (if the state still lives then and
+    /// has one) when the context's state is leaked: the model's teardown of a state that a
+    /// leaked capture keeps takes it before dropping its `Context`, and stops the poller once
+    /// its last check has run. It does not keep the state alive. The poller of a leaked state would otherwise read a completion that no clock
     /// lands (behind a capture that never ends) every millisecond for the rest of the process:
     /// the leaked pollers took 10 % of a core after four minutes of a fuzzing campaign. Not
     /// part of the API: for the crate's model tests (feature `model-hooks`).
     #[cfg(feature = "model-hooks")]
     #[doc(hidden)]
     pub fn model_poller_stopper(&self) -> ModelPollerStopper {
-        ModelPollerStopper(self.inner.hub.get().cloned())
+        ModelPollerStopper(Arc::downgrade(&self.inner))
     }
 
     /// Sets how long the completion poller stays warm with nothing to read (1 ms by default):
@@ -2265,16 +2265,20 @@ impl CtxInner {
 #[cfg(feature = "model-hooks")]
 #[doc(hidden)]
 #[derive(Debug)]
-pub struct ModelPollerStopper(Option<Arc<crate::hub::Hub>>);
+pub struct ModelPollerStopper(std::sync::Weak<CtxInner>);
 
 #[cfg(feature = "model-hooks")]
 impl ModelPollerStopper {
-    /// Stops the poller (it exits at its next look, leaving its pending completions pending
-    /// and what they keep unfreed, as a leaked state keeps everything). Only for a leaked
-    /// state: a context torn down later does not restart it.
+    /// Stops the poller of the state, if the state still lives and has one now (it exits at
+    /// its next look, leaving its pending completions pending and what they keep unfreed, as a
+    /// leaked state keeps everything). Only for a leaked state: a context torn down later does
+    /// not restart it, and if this was the last reference to the state, the state is torn down
+    /// here.
     pub fn stop(self) {
-        if let Some(h) = self.0 {
-            h.stop();
+        if let Some(inner) = self.0.upgrade() {
+            if let Some(h) = inner.hub.get() {
+                h.stop();
+            }
         }
     }
 }

@@ -2072,11 +2072,7 @@ impl Model {
         self.owned.clear();
         self.kernels = None;
         let leaks = !self.leaked.is_empty() || !self.stuck.is_empty();
-        let poller = self
-            .ctx
-            .as_ref()
-            .filter(|_| leaks)
-            .map(|c| c.model_poller_stopper());
+        let poller = self.ctx.as_ref().map(|c| c.model_poller_stopper());
         self.ctx = None;
         self.end_loans_after_the_context();
         assert_thread_state(&self.sim, self.other, "the teardown");
@@ -2166,8 +2162,8 @@ impl Model {
         self.bufs.clear();
         self.leaked_uses.clear();
         self.kernels = None;
-        // (Taken whether or not the state leaks: stopping a poller that the teardown has
-        // joined does nothing.)
+        // (Taken whether or not the state leaks: it keeps nothing alive, and stopping the
+        // poller of a state that the teardown has joined does nothing.)
         let poller = self.ctx.as_ref().map(|c| c.model_poller_stopper());
         self.ctx = None;
         // A loan keeps its stream past the `Context`; the borrower's work on it fails now.

@@ -57,6 +57,9 @@ thread_local! {
     /// The scheduler the thread is a worker of (its address), 0 if none: a filter before the
     /// lock (the worker's slot is still looked up by its thread id).
     static WORKER_OF: Cell<usize> = const { Cell::new(0) };
+    /// Whether the worker's last driver call touched shared state and no stop has come after
+    /// it (see [`Sched::before`]).
+    static AFTER_CALL: Cell<bool> = const { Cell::new(false) };
 }
 
 /// The most workers of one run.
@@ -138,15 +141,25 @@ unsafe impl Hook for Sched {
     fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
         if !thread_local_call(call) {
             self.stop(W::AtCall(call));
+            AFTER_CALL.with(|a| a.set(true));
+        } else if AFTER_CALL.with(|a| a.replace(false)) {
+            // The first thread-local call after a call that touches shared state (the device
+            // rules' restore of the caller's capture mode or context, after a bound call): a
+            // stop here is the only point between that call's return and what the crate does
+            // with its result before its next driver call (its atomics, its uncontended
+            // locks), which other workers must be able to interleave with.
+            self.stop(W::AtCall(call));
         }
         Ok(())
     }
 }
 
 /// Calls that read or change only the calling thread's state (its current context, its capture
-/// mode) are no scheduling points: such a call commutes with every call of another thread, so
-/// an interleaving that switches before it is the same as one that switches after it (a
-/// partial-order reduction). Their stops were 41 % of the hand-overs of `Op::Par`.
+/// mode) are no scheduling points, but for the first one after a call that touches shared state
+/// (see [`Sched::before`]): such a call commutes with every call of another thread, so an
+/// interleaving that switches before it is the same as one that switches at the worker's next
+/// stop (a partial-order reduction); the stops of the device rules' switches before a call
+/// (`prepare`) were the larger part of the hand-overs of `Op::Par`.
 fn thread_local_call(call: &str) -> bool {
     matches!(
         call,
@@ -214,6 +227,7 @@ impl Sched {
             // the poller): it passes through without the lock.
             return;
         }
+        AFTER_CALL.with(|a| a.set(false));
         let me = std::thread::current().id();
         let mut st = self.lock();
         let Some(i) = st.workers.iter().position(|w| w.0 == Some(me)) else {
@@ -283,6 +297,7 @@ impl Sched {
 
     fn register(&self, i: usize) {
         WORKER_OF.with(|w| w.set(self as *const Sched as usize));
+        AFTER_CALL.with(|a| a.set(false));
         let mut st = self.lock();
         st.workers[i] = (Some(std::thread::current().id()), W::Running);
         st.hook_ids[i] = hooks::thread_id();
