@@ -2095,6 +2095,8 @@ impl Model {
             if let Some(p) = poller {
                 p.stop();
             }
+            // Nothing reads the leaked simulation's call log again (up to 64 Ki calls).
+            self.sim.set_logging(false);
             return;
         }
         // Objects dropped inside host functions, and a last context dropped while the poller
@@ -2188,6 +2190,7 @@ impl Model {
         if let Some(p) = poller {
             p.stop();
         }
+        self.sim.set_logging(false);
     }
 }
 
