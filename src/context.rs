@@ -2167,6 +2167,15 @@ impl Drop for CtxInner {
 }
 
 impl CtxInner {
+    /// Waits for every pooled stream's work and destroys the streams (the teardown's).
+    fn drain_pools(&self) {
+        for p in self.all_pools() {
+            // A failed call had no effect: the streams it could not wait for or destroy are
+            // tried again (a transient failure must not leak them and, later, the modules).
+            driver::tries(|| p.drain(&*self.driver, true, 0).map(drop));
+        }
+    }
+
     /// The teardown: waits for the streams' work, frees what is left, destroys the streams and
     /// the crate's memory pool, stops the completion poller (waiting for it to exit) and frees
     /// its memory, and releases the primary context. Never on a host-function thread or the
@@ -2192,12 +2201,12 @@ impl CtxInner {
             return;
         }
         self.flush(true);
-        for p in self.all_pools() {
-            // A failed call had no effect: the streams it could not wait for or destroy are
-            // tried again (a transient failure must not leak them and, below, the modules).
-            driver::tries(|| p.drain(&*self.driver, true, 0).map(drop));
-        }
+        self.drain_pools();
         self.flush(true);
+        // A loan that ended since the first flush (its borrower dropped its last handle on
+        // another thread) gave its stream back to its pool in the second: drained too. A loan
+        // that ends from here on keeps its stream in `lent` (checked just below).
+        self.drain_pools();
         if !self.lent.get_mut().is_empty() {
             // Streams are still lent: what they rely on (this context, its retain or
             // keep-alive, cudarc's keeper stream) stays until a later call of the crate finds

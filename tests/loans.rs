@@ -533,3 +533,65 @@ fn a_leaked_capture_of_a_stream_whose_loan_ends_after_its_owner_is_retired_busy(
     );
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+/// A hook that drops the borrower's handle (another crate's, on another thread in real use) at
+/// the first stream destroy after it is armed: inside the teardown, between its first flush of
+/// the parked loans (which finds this one still out) and its second.
+struct DropHandleAtDestroy {
+    armed: AtomicBool,
+    handle: std::sync::Mutex<Option<Arc<Foreign>>>,
+}
+
+// SAFETY: `before` only drops a handle of the test's own type (no crate code, no driver call)
+// and allows every call; the default `call` calls the driver once.
+unsafe impl cuda_stream_pool::driver::Hook for DropHandleAtDestroy {
+    fn before(&self, call: &'static str) -> cuda_stream_pool::Result<()> {
+        if call == "cuStreamDestroy_v2" && self.armed.swap(false, Ordering::SeqCst) {
+            drop(self.handle.lock().unwrap().take());
+        }
+        Ok(())
+    }
+}
+
+// Regression: a stream whose loan ended during the teardown leaked (the proptest finding
+// `proptest-stream-left-live-at-teardown-1391`: live_streams 1 and a module left loaded after
+// the primary context's release). The teardown's second flush gave the returned stream back to
+// its pool after the pools were drained, and nothing destroyed it.
+#[test]
+fn a_loan_that_ends_during_the_teardown_leaves_no_stream_behind() {
+    let _serial = serial();
+    let sim = Arc::new(SimDriver::new());
+    let hooked = Arc::new(cuda_stream_pool::driver::Hooked {
+        inner: sim.clone(),
+        hook: DropHandleAtDestroy {
+            armed: AtomicBool::new(false),
+            handle: std::sync::Mutex::new(None),
+        },
+    });
+    let ctx = Context::primary(hooked.clone(), 0).unwrap();
+    let lender = ctx.owner();
+    let h = lend(&lender.stream().unwrap());
+    let raw = h.0;
+    drop(lender); // parked: the loan is out
+    *hooked.hook.handle.lock().unwrap() = Some(h);
+    // An idle stream in the pool: the drain destroys it, and the hook ends the loan then.
+    let other = ctx.owner();
+    other.stream().unwrap();
+    drop(other);
+    hooked.hook.armed.store(true, Ordering::SeqCst);
+    drop(ctx);
+    assert!(
+        hooked.hook.handle.lock().unwrap().is_none(),
+        "the teardown destroyed no stream: the scenario did not run"
+    );
+    // Whatever lingered is torn down by a later operation of the crate.
+    later_crate_operation(&sim);
+    assert!(!sim.stream_exists(raw), "the returned lent stream leaked");
+    let c = sim.counters();
+    assert_eq!(
+        (c.live_contexts, c.live_streams, c.live_allocs),
+        (0, 0, 0),
+        "the state left something behind: {c:?}"
+    );
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}
