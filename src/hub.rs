@@ -780,16 +780,22 @@ impl Hub {
             if !st.incoming.is_empty() || st.making > 0 || self.stop.load(Ordering::Acquire) {
                 return true;
             }
+            // A doorbell that rang before the count was read is seen here (its entry rung),
+            // before the poller reports itself parked for it: a ring is stored before it is
+            // counted, so a ring not seen here changes the count read above, and
+            // `poller_progress` never reports the poller parked for a doorbell that has rung.
+            // (It did, while the poller went from here to the lock below: a test that reads
+            // that report failed once in CI on a loaded machine.)
+            if !mine.iter().all(|e| e.waits_for_bell()) {
+                return true;
+            }
             st.bell_parked = Some(rings);
         }
-        // A doorbell that rang between the caller's check and the count read above: its
-        // unpark left a token (the park returns at once), or its entry is seen rung here.
-        if mine.iter().all(|e| e.waits_for_bell()) {
-            // At most a nap: a young entry's flag is read sooner than a doorbell would ring
-            // after a long idle, and all host functions of a context run on one driver thread,
-            // so a doorbell can wait behind someone else's long host function.
-            crate::sync::park_timeout(nap);
-        }
+        // A doorbell that rings from here on leaves its unpark's token (the park returns at
+        // once). At most a nap: a young entry's flag is read sooner than a doorbell would ring
+        // after a long idle, and all host functions of a context run on one driver thread, so a
+        // doorbell can wait behind someone else's long host function.
+        crate::sync::park_timeout(nap);
         lock(&self.state).bell_parked = None;
         self.bell.rings.load(Ordering::SeqCst) != rings
     }
