@@ -2167,6 +2167,19 @@ impl Drop for CtxInner {
 }
 
 impl CtxInner {
+    /// What the teardown's rounds have not finished: (parked loans, pending frees, kept
+    /// streams, kept host memory, live pooled streams).
+    fn leftovers(&mut self) -> [usize; 5] {
+        let live = self.all_pools().iter().map(|p| p.live()).sum::<u64>() as usize;
+        [
+            self.lent.get_mut().len(),
+            self.deferred.get_mut().len(),
+            self.orphans.get_mut().len(),
+            self.kept_host.get_mut().len(),
+            live,
+        ]
+    }
+
     /// Waits for every pooled stream's work and destroys the streams (the teardown's).
     fn drain_pools(&self) {
         for p in self.all_pools() {
@@ -2200,13 +2213,28 @@ impl CtxInner {
             LINGERING_LEN.store(list.len(), Ordering::Release);
             return;
         }
-        self.flush(true);
-        self.drain_pools();
-        self.flush(true);
-        // A loan that ended since the first flush (its borrower dropped its last handle on
-        // another thread) gave its stream back to its pool in the second: drained too. A loan
-        // that ends from here on keeps its stream in `lent` (checked just below).
-        self.drain_pools();
+        // Rounds of a flush (pending frees, kept streams and host memory, parked loans) and a
+        // drain (every pooled stream waited for and destroyed) until two rounds in a row change
+        // nothing. A loan may end at any moment (its borrower drops its last handle on another
+        // thread): the round after that brings its stream back (to its pool, drained by the
+        // same round, or destroyed if it was an `OwnedStream`), and the next retries what
+        // waited for it (a free deferred behind the borrower's capture); a retry that failed
+        // once (a transient driver error) is made again by the next round. It ends: during the
+        // teardown nothing enters the lists but an owned stream that leaves `lent` for
+        // `orphans`, and `lent` only shrinks (the bound is a safety net). A loan that ends after
+        // the last round keeps its stream in `lent`: the state lingers (below).
+        let mut last = None;
+        let mut unchanged = 0;
+        for _ in 0..64 {
+            self.flush(true);
+            self.drain_pools();
+            let now = self.leftovers();
+            unchanged = if last == Some(now) { unchanged + 1 } else { 0 };
+            if unchanged == 2 {
+                break;
+            }
+            last = Some(now);
+        }
         if !self.lent.get_mut().is_empty() {
             // Streams are still lent: what they rely on (this context, its retain or
             // keep-alive, cudarc's keeper stream) stays until a later call of the crate finds
