@@ -246,22 +246,27 @@ fn settle(ctx: &Context) {
 }
 
 /// Until the waker has been called: fails if the poller reports itself idle while the
-/// completion is due (its flag landed) and its waker has not been called, and `stuck` says that
-/// nothing but the health probe's timeout will wake it (given how long that has lasted).
+/// completion is due (its flag landed) and its waker has not been called, and `quiet` says that
+/// nothing but the health probe's timeout will wake it (the host functions have all returned).
+/// `quiet` is read before the poller's report: a doorbell counts its ring before its host
+/// function returns, so a ring that `quiet` saw is seen by the report. (Read after it, a doorbell
+/// that rang between the two reads made a correct "parked for a doorbell" report look stuck:
+/// review 22, 1 failure in 400 runs with two busy loops.)
 fn woken_without_idle_while_due(
     ctx: &Context,
     due: impl Fn() -> bool,
     c: &Counting,
-    stuck: impl Fn(Duration) -> bool,
+    quiet: impl Fn() -> bool,
 ) {
     let t = Instant::now();
     let mut idle_since: Option<Instant> = None;
     while c.0.load(Ordering::SeqCst) == 0 {
+        let quiet = quiet();
         let (_, idle) = ctx.model_poller_progress().unwrap();
         if idle && due() && c.0.load(Ordering::SeqCst) == 0 {
             let since = *idle_since.get_or_insert_with(Instant::now);
             // REVIEW_MEASURE=1: report the latency instead of failing.
-            if stuck(since.elapsed()) && std::env::var_os("REVIEW_MEASURE").is_none() {
+            if quiet && std::env::var_os("REVIEW_MEASURE").is_none() {
                 panic!(
                     "the poller is parked (idle) while a due completion is unwoken \
                      ({:?} after the flag landed, idle for {:?})",
@@ -391,7 +396,7 @@ fn a_due_completion_is_not_left_parked_behind_another_threads_doorbell_in_the_ma
                     &ctx,
                     || probe.is_complete(),
                     &count,
-                    |_| {
+                    || {
                         let (started, returned) = sim.host_fn_progress();
                         started == returned
                     },
@@ -443,7 +448,7 @@ fn a_lone_doorbell_rings_as_soon_as_its_work_completes() {
             &ctx,
             || probe.is_complete(),
             &count,
-            |_| {
+            || {
                 let (started, returned) = sim.host_fn_progress();
                 started == returned
             },
