@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU call R (issues 22 and 24, 2026-12-07 ninth session): one build, 41159862, every goal of
+# GPU call R (issues 22 and 24, 2026-12-07 ninth session): one build, a554f0fd, every goal of
 # issue 22 against its baseline in the same run: benches/pool.rs's uncontended and threads groups
 # at 1 and 16 threads, five rounds; benches/memory.rs's alloc+free of 4 KiB (raw, raw in its
 # capture-mode pairs, DeviceBuffer), five rounds; the async server (10,000 requests, 16 workers),
