@@ -11,7 +11,7 @@ trap cleanup EXIT
 # Build first, unloaded (the load is for the tests, not the compiler).
 cargo test --no-run -q --test proptest_model --test fuzz_corpus --test backpressure \
   --test async_tasks --test stress_sim --test loans --test completion_doorbell \
-  --test completion_doorbell_hostile --test teardown
+  --test completion_doorbell_hostile --test teardown --test teardown_loans
 for _ in $(seq "$n"); do
   # Each busy loop ends by itself after 30 minutes, whatever happens to this script.
   timeout 1800 sh -c 'while :; do :; done' &
@@ -20,4 +20,4 @@ done
 echo "loaded-tests: $n busy loops on $(nproc) cores"
 CSP_PROPTEST_CASES="${CSP_PROPTEST_CASES:-500}" cargo test -q --test proptest_model \
   --test fuzz_corpus --test backpressure --test async_tasks --test stress_sim --test loans \
-  --test completion_doorbell --test completion_doorbell_hostile --test teardown
+  --test completion_doorbell --test completion_doorbell_hostile --test teardown --test teardown_loans
