@@ -5,7 +5,7 @@
 # capture-mode pairs, DeviceBuffer), five rounds; the async server (10,000 requests, 16 workers),
 # five interleaved repeats of each mode; the poller (fault_probe_cost --reps 10), five runs; the
 # seed's workloads; the demo's --devices 2 on a one-GPU machine (a clean error expected); the GPU
-# test suite (hooks). Programs are user builds:
+# test suite (hooks), first (the machine may be taken back before the end). Programs are user builds:
 #   scripts/gpu-bundle.sh --no-hooks --features cudarc,kernels --bench pool --bench memory \
 #     --example async_server --example completion_mechanisms --example fault_probe_cost \
 #     --bin cuda-stream-pool
@@ -13,6 +13,9 @@ cd "$(dirname "$0")/../.."
 start=$(date +%s); el() { echo $(( $(date +%s)-start )); }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nproc
+tar xJf .gpu/tests.tar.xz -C .gpu && echo "unpacked $(el) s"
+timeout 170 bash .gpu/run-tests.sh > $OUT/gpu-tests.txt 2>&1; echo "tests rc=$? $(el) s"; tail -1 $OUT/gpu-tests.txt
+grep -E "FAILED|panicked|failed;" $OUT/gpu-tests.txt | grep -v " 0 failed" | head -20
 b=.gpu/bin
 filter='^(uncontended/(pool|global_lock)|threads/(pool|global_lock)/(1|16))$'
 for r in $(seq ${ROUNDS:-5}); do
@@ -31,6 +34,3 @@ grep -H "time:" $OUT/pool-*.txt $OUT/memory-*.txt | sed 's/ *time: */ /'
 python3 scripts/async-server-summary.py $OUT/async-server.jsonl
 grep -E "released|CPU" $OUT/poller.txt
 grep -E "^(short|prodcons)" $OUT/demo.txt
-tar xJf .gpu/tests.tar.xz -C .gpu && echo "unpacked $(el) s"
-timeout 170 bash .gpu/run-tests.sh > $OUT/gpu-tests.txt 2>&1; echo "tests rc=$? $(el) s"; tail -1 $OUT/gpu-tests.txt
-grep -E "FAILED|panicked|failed;" $OUT/gpu-tests.txt | grep -v " 0 failed" | head -20
