@@ -25,7 +25,7 @@ for r in $(seq ${ROUNDS:-5}); do
   echo "memory $r rc=$? $(el) s"
 done
 for r in 1 2 3 4 5; do for m in async:64 async:0 blocking:0 shared:0; do
-  echo "{\"build\":\"3c7c9204\",\"rep\":$r,\"mode\":\"$m\",\"run\":$(timeout 20 $b/async_server --n 10000 --workers 16 --mode ${m%:*} --cap ${m#*:} --json 2>&1 | tail -1)}" >> $OUT/async-server.jsonl
+  echo "{\"build\":\"a554f0fd\",\"rep\":$r,\"mode\":\"$m\",\"run\":$(timeout 20 $b/async_server --n 10000 --workers 16 --mode ${m%:*} --cap ${m#*:} --json 2>&1 | tail -1)}" >> $OUT/async-server.jsonl
 done; done; echo "async $(el) s"
 for r in $(seq ${ROUNDS:-5}); do echo "== $r" >> $OUT/poller.txt; timeout 40 $b/fault_probe_cost --reps 10 >> $OUT/poller.txt 2>&1; done; echo "poller $(el) s"
 timeout 150 $b/cuda-stream-pool --driver cuda --repeat 5 --threads 1,16 --strategies floor,pool,pool-tls > $OUT/demo.txt 2>&1; echo "demo rc=$? $(el) s"
