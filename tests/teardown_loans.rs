@@ -143,6 +143,62 @@ fn idle_pooled_stream(ctx: &Context) {
     drop(o);
 }
 
+/// A loan of an owner's stream, parked: the owner is gone, the loan is out.
+fn parked_loan(ctx: &Context) -> Arc<Foreign> {
+    let lender = ctx.owner();
+    let h = lend(&lender.stream().unwrap());
+    drop(lender);
+    h
+}
+
+/// A parked loan whose borrower captures the stream, with a buffer of the lender's dropped
+/// meanwhile: its free is deferred (the stream is captured by someone else).
+fn captured_loan_with_a_deferred_free(sim: &SimDriver, ctx: &Context) -> Arc<Foreign> {
+    let lender = ctx.owner();
+    let s = lender.stream().unwrap();
+    let buf = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    let h = lend(&s);
+    // The borrower captures the stream (relaxed: its own calls only).
+    // SAFETY: the loan keeps the stream alive.
+    unsafe { sim.stream_begin_capture(h.0, CaptureMode::Relaxed) }.unwrap();
+    drop(buf); // deferred: its stream is captured by the borrower
+    drop(s);
+    drop(lender); // parked: the loan is out
+    h
+}
+
+/// The borrower ends its capture of `h`'s stream and drops its handle: the loan ends.
+fn end_capture_and_return(sim: &Arc<SimDriver>, h: Arc<Foreign>) -> Act {
+    let sim = sim.clone();
+    Act::Run(Box::new(move || {
+        // SAFETY: the borrower's own capture of the lent (live) stream.
+        unsafe {
+            let g = sim.stream_end_capture(h.0).unwrap();
+            sim.graph_destroy(g).unwrap();
+        }
+        drop(h);
+    }))
+}
+
+/// The loan of `h` ends at the next stream destroy once the script is armed (the teardown's
+/// first drain, when an idle pooled stream is there).
+fn end_at_destroy(hooked: &Hooked<Script>, h: Arc<Foreign>) {
+    hooked.hook.step(
+        "cuStreamDestroy_v2",
+        When::Before,
+        Act::Run(Box::new(move || drop(h))),
+    );
+}
+
+/// Arms the script, drops the last `Context` (the teardown runs), lets a later operation of
+/// the crate reap what lingered, and checks that nothing is left behind.
+fn tear_down(sim: &Arc<SimDriver>, hooked: &Hooked<Script>, ctx: Context, what: &str) {
+    hooked.hook.arm();
+    drop(ctx);
+    later_crate_operation(sim);
+    clean(sim, hooked, what);
+}
+
 fn clean(sim: &Arc<SimDriver>, h: &Hooked<Script>, what: &str) {
     let c = sim.counters();
     let log = h.hook.log.lock().unwrap().join(" ");
@@ -164,6 +220,24 @@ fn clean(sim: &Arc<SimDriver>, h: &Hooked<Script>, what: &str) {
     assert!(sim.misuse().is_empty(), "{what}: {:?}", sim.misuse());
 }
 
+// Regression: a stream whose loan ended during the teardown leaked (the proptest finding
+// `proptest-stream-left-live-at-teardown-1391`: live_streams 1 and a module left loaded after
+// the primary context's release). The teardown's second flush gave the returned stream back to
+// its pool after the pools were drained, and nothing destroyed it.
+#[test]
+fn a_loan_that_ends_during_the_teardown_leaves_no_stream_behind() {
+    let _s = serial();
+    let (sim, hooked) = setup();
+    let ctx = Context::primary(hooked.clone(), 0).unwrap();
+    let h = parked_loan(&ctx);
+    let raw = h.0;
+    // An idle stream in the pool: the drain destroys it, and the loan ends then.
+    idle_pooled_stream(&ctx);
+    end_at_destroy(&hooked, h);
+    tear_down(&sim, &hooked, ctx, "a loan ended in the first drain");
+    assert!(!sim.stream_exists(raw), "the returned lent stream leaked");
+}
+
 // Regression (review 22, finding 1: a free leaked at the teardown). A free deferred because the
 // borrower was capturing the lent stream, retried by the teardown's second flush (still
 // capturing), whose loan then ends (the borrower ends its capture and drops its handle) before
@@ -174,43 +248,23 @@ fn a_free_deferred_behind_a_borrowers_capture_is_made_when_the_loan_ends_in_the_
     let _s = serial();
     let (sim, hooked) = setup();
     let ctx = Context::primary(hooked.clone(), 0).unwrap();
-    let lender = ctx.owner();
-    let s = lender.stream().unwrap();
-    let buf = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
-    let h = lend(&s);
-    let raw = h.0;
-    // The borrower captures the stream (relaxed: its own calls only).
-    // SAFETY: the loan keeps the stream alive.
-    unsafe { sim.stream_begin_capture(raw, CaptureMode::Relaxed) }.unwrap();
-    drop(buf); // deferred: its stream is captured by the borrower
-    drop(s);
-    drop(lender); // parked: the loan is out
+    let h = captured_loan_with_a_deferred_free(&sim, &ctx);
     idle_pooled_stream(&ctx);
-    let sim2 = sim.clone();
-    // Drain #1's destroy of the idle stream, then the next capture query: flush #2's retry of
-    // the deferred free (it sees the capture); right after it the borrower ends its capture and
-    // drops its handle.
+    // The first drain's destroy of the idle stream, then the next capture query: the second
+    // flush's retry of the deferred free (it sees the capture); right after it the borrower
+    // ends its capture and drops its handle.
     hooked
         .hook
         .step("cuStreamDestroy_v2", When::Before, Act::Mark);
     hooked.hook.step(
         "cuStreamGetCaptureInfo_v3",
         When::After,
-        Act::Run(Box::new(move || {
-            // SAFETY: the borrower's own capture of the lent (live) stream.
-            unsafe {
-                let g = sim2.stream_end_capture(raw).unwrap();
-                sim2.graph_destroy(g).unwrap();
-            }
-            drop(h);
-        })),
+        end_capture_and_return(&sim, h),
     );
-    hooked.hook.arm();
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(
+    tear_down(
         &sim,
         &hooked,
+        ctx,
         "a deferred free whose loan ended in the second flush",
     );
 }
@@ -221,34 +275,14 @@ fn a_free_deferred_behind_a_borrowers_capture_is_made_when_the_loan_ends_in_the_
     let _s = serial();
     let (sim, hooked) = setup();
     let ctx = Context::primary(hooked.clone(), 0).unwrap();
-    let lender = ctx.owner();
-    let s = lender.stream().unwrap();
-    let buf = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
-    let h = lend(&s);
-    let raw = h.0;
-    // SAFETY: the loan keeps the stream alive.
-    unsafe { sim.stream_begin_capture(raw, CaptureMode::Relaxed) }.unwrap();
-    drop(buf);
-    drop(s);
-    drop(lender);
+    let h = captured_loan_with_a_deferred_free(&sim, &ctx);
     idle_pooled_stream(&ctx);
-    let sim2 = sim.clone();
     hooked.hook.step(
         "cuStreamDestroy_v2",
         When::Before,
-        Act::Run(Box::new(move || {
-            // SAFETY: as above.
-            unsafe {
-                let g = sim2.stream_end_capture(raw).unwrap();
-                sim2.graph_destroy(g).unwrap();
-            }
-            drop(h);
-        })),
+        end_capture_and_return(&sim, h),
     );
-    hooked.hook.arm();
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(&sim, &hooked, "a loan ended in the first drain");
+    tear_down(&sim, &hooked, ctx, "a loan ended in the first drain");
 }
 
 // Regression (review 22, finding 2: a stream leaked at the teardown after one transient
@@ -266,20 +300,14 @@ fn a_lent_owned_stream_whose_loan_ends_between_the_flushes_survives_one_transien
     let raw = h.0;
     drop(owned); // parked (pool None): the loan is out
     idle_pooled_stream(&ctx);
-    hooked.hook.step(
-        "cuStreamDestroy_v2",
-        When::Before,
-        Act::Run(Box::new(move || drop(h))),
-    );
+    end_at_destroy(&hooked, h);
     hooked
         .hook
         .step("cuStreamSynchronize", When::Before, Act::Fail);
-    hooked.hook.arm();
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(
+    tear_down(
         &sim,
         &hooked,
+        ctx,
         "a lent OwnedStream with one failed synchronize",
     );
     assert!(!sim.stream_exists(raw), "the lent owned stream leaked");
@@ -291,24 +319,16 @@ fn a_lent_pooled_stream_whose_loan_ends_between_the_flushes_survives_one_transie
     let _s = serial();
     let (sim, hooked) = setup();
     let ctx = Context::primary(hooked.clone(), 0).unwrap();
-    let lender = ctx.owner();
-    let h = lend(&lender.stream().unwrap());
-    drop(lender);
+    let h = parked_loan(&ctx);
     idle_pooled_stream(&ctx);
-    hooked.hook.step(
-        "cuStreamDestroy_v2",
-        When::Before,
-        Act::Run(Box::new(move || drop(h))),
-    );
+    end_at_destroy(&hooked, h);
     hooked
         .hook
         .step("cuStreamSynchronize", When::Before, Act::Fail);
-    hooked.hook.arm();
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(
+    tear_down(
         &sim,
         &hooked,
+        ctx,
         "a lent pooled stream with one failed synchronize",
     );
 }
@@ -323,17 +343,11 @@ fn a_lent_owned_stream_whose_loan_ends_between_the_flushes_is_destroyed() {
     let h = lend(&owned.stream());
     drop(owned);
     idle_pooled_stream(&ctx);
-    hooked.hook.step(
-        "cuStreamDestroy_v2",
-        When::Before,
-        Act::Run(Box::new(move || drop(h))),
-    );
-    hooked.hook.arm();
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(
+    end_at_destroy(&hooked, h);
+    tear_down(
         &sim,
         &hooked,
+        ctx,
         "a lent OwnedStream, loan ended in the first drain",
     );
 }
@@ -366,11 +380,7 @@ fn loans_of_two_keys_ending_in_two_drains_leave_nothing_behind() {
             done.recv().unwrap();
         })),
     );
-    hooked.hook.step(
-        "cuStreamDestroy_v2",
-        When::Before,
-        Act::Run(Box::new(move || drop(hb))),
-    );
+    end_at_destroy(&hooked, hb);
     hooked.hook.arm();
     drop(ctx);
     t.join().unwrap();
@@ -399,9 +409,7 @@ fn a_loan_ending_inside_the_first_flushs_loop_over_the_loans_leaves_nothing_behi
     drop(sa);
     drop(a);
     drop(ha); // A's loan has ended; B's is held by A's handle (the slot's clone)
-    drop(ctx);
-    later_crate_operation(&sim);
-    clean(&sim, &hooked, "nested handles");
+    tear_down(&sim, &hooked, ctx, "nested handles");
 }
 
 // The teardown on a thread of its own (the last clone dropped in a host function), the loan
@@ -411,9 +419,7 @@ fn a_teardown_on_a_thread_of_its_own_with_a_loan_ending_in_its_drain_leaves_noth
     let _s = serial();
     let (sim, hooked) = setup();
     let ctx = Context::primary(hooked.clone(), 0).unwrap();
-    let lender = ctx.owner();
-    let h = lend(&lender.stream().unwrap());
-    drop(lender);
+    let h = parked_loan(&ctx);
     let o = ctx.owner();
     let s = o.stream().unwrap();
     let last = ctx.clone();
@@ -425,11 +431,7 @@ fn a_teardown_on_a_thread_of_its_own_with_a_loan_ending_in_its_drain_leaves_noth
     .unwrap();
     drop(s);
     drop(o);
-    hooked.hook.step(
-        "cuStreamDestroy_v2",
-        When::Before,
-        Act::Run(Box::new(move || drop(h))),
-    );
+    end_at_destroy(&hooked, h);
     hooked.hook.arm();
     drop(ctx);
     sim.advance(0);
@@ -454,10 +456,7 @@ fn a_lingering_state_reaped_by_one_thread_while_a_third_ends_a_loan_leaves_nothi
     let _s = serial();
     let (sim, hooked) = setup();
     let ctx = Context::primary(hooked.clone(), 0).unwrap();
-    let (a, b) = (ctx.owner(), ctx.owner());
-    let ha = lend(&a.stream().unwrap());
-    let hb = lend(&b.stream().unwrap());
-    drop((a, b));
+    let (ha, hb) = (parked_loan(&ctx), parked_loan(&ctx));
     drop(ctx); // lingers: two loans out
     assert_eq!(sim.counters().live_contexts, 1);
     drop(ha); // the first loan ends
