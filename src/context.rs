@@ -1337,6 +1337,18 @@ impl Context {
         self.inner.hub.get().map(|h| h.poller_progress())
     }
 
+    /// Ends the completion poller's nap between two sweeps now, if it has one (a spurious
+    /// wake-up to the poller: its next sweep comes sooner, nothing else changes). Not part of
+    /// the API: for the crate's model tests (feature `model-hooks`), which wait for the poller's
+    /// passes without timing.
+    #[cfg(feature = "model-hooks")]
+    #[doc(hidden)]
+    pub fn model_poller_nudge(&self) {
+        if let Some(h) = self.inner.hub.get() {
+            h.nudge();
+        }
+    }
+
     /// Whether the completion poller is cold: the next completion gets a doorbell (`true`
     /// before the context's first completion). Not part of the API: for the crate's model
     /// tests (feature `model-hooks`).

@@ -382,6 +382,18 @@ impl Hub {
         }
     }
 
+    /// Ends the poller's nap now (as a doorbell does): its next sweep of the flags comes at once
+    /// instead of at the nap's end. The poller takes it as a spurious wake-up, which a park with
+    /// a timeout may have anyway, so nothing it does changes but when. For the model, which
+    /// waits for the poller's passes after each step of simulated time and otherwise waited for
+    /// its naps (up to [`MAX_SLEEP`] each) in real time.
+    #[cfg(feature = "model-hooks")]
+    pub(crate) fn nudge(&self) {
+        if let Some(t) = self.bell.poller.get() {
+            crate::sync::unpark(t);
+        }
+    }
+
     /// A new pending completion: takes a slot, has `write` enqueue the GPU's write of the
     /// sequence number to the slot's device address, and hands the entry to the poller. On a
     /// failed `write` the slot is free again (nothing was enqueued). The context must be current

@@ -798,6 +798,11 @@ impl Model {
                     "a hang: a host function, a background wake-up, the completion poller or a \
                      waiting thread did not finish in {HANG_LIMIT:?}"
                 );
+                if !poller {
+                    // Its next sweep now, not at its nap's end (up to 1 ms of real time away;
+                    // a spurious wake-up to the poller, which decides nothing).
+                    self.ctx().model_poller_nudge();
+                }
                 std::thread::yield_now();
             }
             if done() {
