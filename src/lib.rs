@@ -251,6 +251,7 @@ mod sync;
 #[cfg(feature = "model-hooks")]
 #[doc(hidden)]
 pub mod __model_hooks {
+    pub use crate::pinned::model_shelved;
     pub use crate::sync::hook::*;
 
     /// Makes the calling thread look new to the crate (for a test that reuses its threads

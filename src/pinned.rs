@@ -312,3 +312,12 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
     }
     first.map(|()| freed)
 }
+
+/// The shelves of `driver`'s world and their blocks, for the model's tests (feature
+/// `model-hooks`).
+#[cfg(feature = "model-hooks")]
+pub fn model_shelved(driver: &dyn Driver) -> (usize, usize) {
+    let sh = shelves();
+    let mine = sh.iter().filter(|s| s.world == driver.world());
+    (mine.clone().count(), mine.map(|s| s.blocks.len()).sum())
+}
