@@ -241,7 +241,10 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 /// `CUDA_ERROR_NOT_PERMITTED` on a host function's thread (nothing is freed); otherwise the
 /// first failure of a free or a release (the others are still made). A block whose free
 /// failed stays on its shelf, and its context stays retained for it; a retain whose release
-/// failed stays too: a later call frees and releases them.
+/// failed stays too: a later call frees and releases them. But a block whose free fails with a
+/// sticky error ([`crate::Error::is_sticky`]: a kernel faulted the context, which is dead) is
+/// taken off its shelf unfreed, and the retain released: its memory goes with the context's
+/// reset or destruction, which is then safe (the error is still returned).
 ///
 /// It frees what is on the shelves when it is called. A teardown that was handed to a thread of
 /// its own (the last [`Context`](crate::Context) dropped on a host-function thread, or while the
@@ -279,8 +282,14 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
             match unsafe { free(&*s.driver, b) } {
                 Ok(()) => freed += 1,
                 Err(e) => {
-                    // Still allocated: back on the shelf, with the retain that keeps it.
-                    left.push(b);
+                    // A sticky error: the context is dead, every later call in it fails the
+                    // same way, and its memory goes with its reset or destruction. The block is
+                    // given up unfreed (a later call would only fail again, and after a reset
+                    // it would free memory that is gone). Otherwise it is still allocated:
+                    // back on the shelf, with the retain that keeps it.
+                    if !e.is_sticky() {
+                        left.push(b);
+                    }
                     if first.is_ok() {
                         first = Err(e);
                     }
