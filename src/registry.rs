@@ -4,9 +4,10 @@
 //! entries are sorted by key, so a lookup is a binary search, not a scan: a process may hold
 //! many states for good (every state kept by a leaked capture guard stays registered, and the
 //! model's fuzzing campaigns leak thousands on purpose; scanning them at every
-//! `Context::primary` was a fifth of a campaign's time late in its run). A dead entry is pruned
-//! when its key is looked up, and all dead entries once the list has doubled since the last
-//! such pruning, so the list stays within twice the live states (plus a few). It never drops a
+//! `Context::primary` took a sixth of a campaign's time late in its run). A dead entry is
+//! pruned when its key is looked up, and all dead entries once the list has grown past twice
+//! what the last such pruning left (plus a few), so dead entries never outnumber by much the
+//! states that were live then. It never drops a
 //! state under its lock (a state's drop is its teardown, which calls the driver and may run
 //! user code): whatever it upgrades and does not return is handed back to the caller to drop
 //! after the lock is released.
