@@ -204,6 +204,23 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
     unsafe { driver.mem_free_host(b.host as *mut u8) }
 }
 
+/// Whether the context that `driver` makes its calls in (a shelf's driver) is dead, asked of
+/// the context itself after one of its calls returned a sticky error (a call may report
+/// another context's fault; a dead context's blocks are given up, a live one's kept): an event
+/// made and destroyed there, which every dead context refuses with its sticky error (on the
+/// H200 event creation fails with it, docs/gpu.md). Only on that error path.
+fn context_is_dead(driver: &dyn Driver) -> bool {
+    match driver.event_create(crate::driver::event_flags::DISABLE_TIMING) {
+        Ok(ev) => {
+            // SAFETY: made just above, destroyed once (a failed destroy has no effect). Where
+            // every try fails, the event of a live context is leaked (a few bytes): safe.
+            driver::tries(|| unsafe { driver.event_destroy(ev) });
+            false
+        }
+        Err(e) => e.is_sticky(),
+    }
+}
+
 /// Frees the page-locked host memory that the crate keeps for reuse by later states of
 /// `driver`'s primary contexts (completion flags and staging blocks of torn-down states), and
 /// releases the primary contexts it kept for it. `driver` is the one the contexts were made
@@ -242,9 +259,10 @@ pub(crate) unsafe fn free(driver: &dyn Driver, b: Block) -> Result<()> {
 /// first failure of a free or a release (the others are still made). A block whose free
 /// failed stays on its shelf, and its context stays retained for it; a retain whose release
 /// failed stays too: a later call frees and releases them. But a block whose free fails with a
-/// sticky error ([`crate::Error::is_sticky`]: a kernel faulted the context, which is dead) is
-/// taken off its shelf unfreed, and the retain released: its memory goes with the context's
-/// reset or destruction, which is then safe (the error is still returned).
+/// sticky error ([`crate::Error::is_sticky`]: a kernel faulted the context) in a context that
+/// then confirms it is dead (it refuses to make an event with a sticky error too) is taken off
+/// its shelf unfreed, and the retain released: its memory goes with the context's reset or
+/// destruction, which is then safe (the error is still returned).
 ///
 /// It frees what is on the shelves when it is called. A teardown that was handed to a thread of
 /// its own (the last [`Context`](crate::Context) dropped on a host-function thread, or while the
@@ -282,12 +300,12 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
             match unsafe { free(&*s.driver, b) } {
                 Ok(()) => freed += 1,
                 Err(e) => {
-                    // A sticky error: the context is dead, every later call in it fails the
-                    // same way, and its memory goes with its reset or destruction. The block is
-                    // given up unfreed (a later call would only fail again, and after a reset
-                    // it would free memory that is gone). Otherwise it is still allocated:
-                    // back on the shelf, with the retain that keeps it.
-                    if !e.is_sticky() {
+                    // A sticky error, and the context confirms it is dead: every later call in
+                    // it fails the same way, and its memory goes with its reset or destruction.
+                    // The block is given up unfreed (a later call would only fail again, and
+                    // after a reset it would free memory that is gone). Otherwise it is still
+                    // allocated: back on the shelf, with the retain that keeps it.
+                    if !(e.is_sticky() && context_is_dead(&*s.driver)) {
                         left.push(b);
                     }
                     if first.is_ok() {

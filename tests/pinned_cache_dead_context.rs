@@ -96,3 +96,44 @@ fn gpu_shelved_blocks_of_a_dead_context_are_given_up_once() {
         e.code().expect("a driver error")
     });
 }
+
+// Regression: review 23 (2026-12-07, helper), finding 1: the first version gave a block up on
+// one sticky code from its free, without asking the context (a call may report another
+// context's fault): a block of a live context was lost for good.
+/// A free that fails once with a sticky code while the context lives (an injected failure) keeps
+/// the block: the context, asked, is not dead, and the next release frees it.
+#[test]
+fn a_sticky_code_from_a_free_in_a_live_context_keeps_the_block() {
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    // Keeps the context alive and healthy; the isolated state below shelves its slab.
+    let keeper = Context::primary(d.clone(), 0).unwrap();
+    let before = common::primary_releases(&sim);
+    {
+        let ctx = Context::primary_with(
+            d.clone(),
+            0,
+            cuda_stream_pool::ContextOptions::default().isolated(true),
+        )
+        .unwrap();
+        let o = ctx.owner();
+        let s = o.stream().unwrap();
+        let done = s.completed().unwrap();
+        sim.advance(0);
+        common::block_on(done).unwrap();
+    }
+    common::await_teardown(&sim, before);
+    assert_eq!(sim.counters().live_host_allocs, 1, "the shelved slab");
+    sim.fail_calls("cuMemFreeHost", ErrorCode::ERROR_ILLEGAL_ADDRESS, 1);
+    let e = release_pinned_cache(&*sim).unwrap_err();
+    assert!(e.is_sticky(), "{e}");
+    keeper.health().expect("the context is healthy");
+    assert_eq!(
+        release_pinned_cache(&*sim).unwrap(),
+        1,
+        "freed by the next release"
+    );
+    assert_eq!(sim.counters().live_host_allocs, 0);
+    drop(keeper);
+    assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
+}

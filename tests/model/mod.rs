@@ -2217,6 +2217,10 @@ impl Model {
             (0, 0),
             "the pinned cache's (shelves, blocks) left of the simulation (dead: {dead}): {r:?}"
         );
+        // What the release freed was in use by nobody (review 23: the misuse checks before it
+        // could not see it).
+        let misuse = self.sim.misuse();
+        assert!(misuse.is_empty(), "misuse after the release: {misuse:?}");
     }
 }
 
