@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOT RUN in the tenth session: no device machine could be started in its last 25 minutes (eight
+# refused calls); kept for the next session, whose bundle must be rebuilt from its own HEAD.
 # GPU call S (issues 20 and 22, 2026-12-07 tenth session): the final build of the session; the GPU
 # test suite first (among them the new gpu_shelved_blocks_of_a_dead_context_are_given_up_once), then every goal of
 # issue 22 against its baseline in the same run: benches/pool.rs's uncontended and threads groups
