@@ -530,25 +530,7 @@ fn gpu_a_faulted_context_resolves_every_future_and_waiter() {
         let d = common::cuda();
         let raw = d.clone();
         a_faulted_context_resolves_every_future_and_waiter(&d, move |_| {
-            let ptx =
-                std::ffi::CStr::from_bytes_with_nul(cuda_stream_pool::kernels::PTX.as_bytes())
-                    .unwrap();
-            let m = raw.module_load_data(ptx).unwrap();
-            // SAFETY: `m` was just loaded.
-            let f = unsafe { raw.module_get_function(m, c"csp_add_u32") }.unwrap();
-            move |s| {
-                let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
-                let mut params = [
-                    &mut x as *mut u64 as *mut std::ffi::c_void,
-                    &mut n as *mut u32 as *mut std::ffi::c_void,
-                    &mut v as *mut u32 as *mut std::ffi::c_void,
-                ];
-                // SAFETY: a live stream of the context, not capturing; the parameters match the
-                // kernel's. The pointer is deliberately invalid: the kernel faults the context (the
-                // point of this test), which affects nothing outside this process's device 0.
-                unsafe { raw.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }
-                    .unwrap();
-            }
+            common::faulting_kernel(&raw)
         });
     });
 }

@@ -72,22 +72,9 @@ fn gpu_shelved_blocks_of_a_dead_context_are_given_up_once() {
         // SAFETY: the context is alive (the shelf retains it); this thread's current context is
         // put back to none below.
         unsafe { r.ctx_set_current(ctx) }.unwrap();
-        let ptx =
-            std::ffi::CStr::from_bytes_with_nul(cuda_stream_pool::kernels::PTX.as_bytes()).unwrap();
-        let m = r.module_load_data(ptx).unwrap();
-        // SAFETY: `m` was just loaded.
-        let f = unsafe { r.module_get_function(m, c"csp_add_u32") }.unwrap();
+        let fault = common::faulting_kernel(r);
         let s = r.stream_create(1, 0).unwrap();
-        let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
-        let mut params = [
-            &mut x as *mut u64 as *mut std::ffi::c_void,
-            &mut n as *mut u32 as *mut std::ffi::c_void,
-            &mut v as *mut u32 as *mut std::ffi::c_void,
-        ];
-        // SAFETY: a live stream of the context, not capturing; the parameters match the
-        // kernel's. The pointer is deliberately invalid: the kernel faults the context (the
-        // point of this test), which affects nothing outside this process's device 0.
-        unsafe { r.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }.unwrap();
+        fault(s);
         // SAFETY: `s` is live.
         let e = unsafe { r.stream_synchronize(s) }.unwrap_err();
         // SAFETY: no context current on this thread, as before.

@@ -293,3 +293,31 @@ pub fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 's
         Err(_) => panic!("hung: {what} did not finish within 60 s"),
     }
 }
+
+/// A launcher of a kernel that faults the current context (`CUDA_ERROR_ILLEGAL_ADDRESS`): the
+/// crate's `csp_add_u32` given address 0x10. Loads the module now (in the thread's current
+/// context; on the H200 a module load waits for every stream of the device, so load it before
+/// any stream is held busy); the returned function launches it on a live, non-capturing stream
+/// of that context.
+pub fn faulting_kernel(d: &Arc<dyn Driver>) -> impl Fn(Stream) {
+    let ptx = std::ffi::CStr::from_bytes_with_nul(cuda_stream_pool::kernels::PTX.as_bytes())
+        .expect("the PTX ends with a NUL");
+    let m = d.module_load_data(ptx).expect("load the crate's kernels");
+    // SAFETY: `m` was just loaded.
+    let f = unsafe { d.module_get_function(m, c"csp_add_u32") }.expect("csp_add_u32");
+    let d = d.clone();
+    move |s| {
+        let (mut x, mut n, mut v) = (0x10u64, 1u32 << 20, 1u32);
+        let mut params = [
+            &mut x as *mut u64 as *mut std::ffi::c_void,
+            &mut n as *mut u32 as *mut std::ffi::c_void,
+            &mut v as *mut u32 as *mut std::ffi::c_void,
+        ];
+        // SAFETY: `s` is a live, non-capturing stream of the context the module was loaded in
+        // (the caller's contract); the parameters match the kernel's. The pointer is
+        // deliberately invalid: the kernel faults the context (the point of the tests that use
+        // it), which affects nothing outside this process's device.
+        unsafe { d.launch_kernel(f, [4096, 1, 1], [256, 1, 1], 0, s, &mut params) }
+            .expect("launch the faulting kernel");
+    }
+}
