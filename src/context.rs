@@ -1399,11 +1399,16 @@ impl Context {
 impl CtxInner {
     /// The context's completion hub (made on first use; its memory and thread come later).
     pub(crate) fn hub(&self) -> &Arc<crate::hub::Hub> {
+        if let Some(hub) = self.hub.get() {
+            return hub;
+        }
+        // Asked outside the initialisation (the driver's own code).
+        let world = self.rules.inner.world();
         self.hub.get_or_init(|| {
             let home = crate::pinned::Home {
                 driver: self.driver.clone(),
                 raw: self.rules.inner.clone(),
-                world: self.rules.inner.world(),
+                world,
                 ctx: self.raw,
                 device: self.device,
                 maybe_primary: self.primary || !self.keep_alive.lock().is_empty(),

@@ -281,11 +281,14 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
             "cuMemFreeHost",
         ));
     }
+    // Asked before the lock: `world` is the caller's `Driver` code, which runs under no lock of
+    // the crate (review 24).
+    let world = driver.world();
     let mine: Vec<Shelf> = {
         let mut sh = shelves();
         let (mine, rest) = std::mem::take(&mut *sh)
             .into_iter()
-            .partition(|s| s.world == driver.world());
+            .partition(|s| s.world == world);
         *sh = rest;
         mine
     };
@@ -344,7 +347,8 @@ pub fn release_pinned_cache(driver: &dyn Driver) -> Result<usize> {
 /// `model-hooks`).
 #[cfg(feature = "model-hooks")]
 pub fn model_shelved(driver: &dyn Driver) -> (usize, usize) {
+    let world = driver.world();
     let sh = shelves();
-    let mine = sh.iter().filter(|s| s.world == driver.world());
+    let mine = sh.iter().filter(|s| s.world == world);
     (mine.clone().count(), mine.map(|s| s.blocks.len()).sum())
 }
