@@ -103,3 +103,46 @@ fn two_threads_ending_the_host_thread_at_once_end_it_once() {
     s.synchronize().unwrap();
     assert_eq!(sim.host_fn_progress(), (2, 2));
 }
+
+/// Signals on its channel when dropped: at the exit of the thread whose thread-local holds it.
+struct OnExit(mpsc::Sender<()>);
+
+impl Drop for OnExit {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+thread_local! {
+    static EXIT: std::cell::RefCell<Option<OnExit>> = const { std::cell::RefCell::new(None) };
+}
+
+// Regression: 2026-12-07, fuzz campaign 26 (1,254 parked `sim-host-fn` threads after 25 minutes,
+// one more per ~1,500 inputs; corpus input `regression-host-thread-left-behind`): a thread
+// started after `end_host_thread` (for a host function that the ended thread's last host
+// functions made due) waited for more work for the rest of the process.
+/// Once the thread is ended, a host function that becomes due later runs on a thread that
+/// returns when it has run: nothing waits for host functions of a simulation kept alive.
+#[test]
+fn a_thread_started_after_the_end_returns_once_it_has_run() {
+    let sim = Arc::new(SimDriver::new());
+    let ctx = Context::primary(sim.clone(), 0).unwrap();
+    let owner = ctx.owner();
+    let s = owner.stream().unwrap();
+    s.launch_host_func(|| {}).unwrap();
+    s.synchronize().unwrap();
+    assert!(sim.end_host_thread());
+    let (tx, rx) = mpsc::channel();
+    s.launch_host_func(move || EXIT.with(|e| *e.borrow_mut() = Some(OnExit(tx))))
+        .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(sim.host_fn_progress(), (2, 2));
+    // The simulation (and its stream) stays alive: only the thread's return drops the
+    // thread-local (a hang guard of 60 s; it returns at once).
+    assert_eq!(
+        rx.recv_timeout(std::time::Duration::from_secs(60)),
+        Ok(()),
+        "the thread started after the end has returned"
+    );
+    assert!(!sim.end_host_thread(), "no thread is left to end");
+}

@@ -2097,6 +2097,9 @@ impl Model {
             }
             // Nothing reads the leaked simulation's call log again (up to 64 Ki calls).
             self.sim.set_logging(false);
+            // What the ended thread's last host functions dropped may be torn down on a thread
+            // of its own, and shelve its blocks: before the release, not after it.
+            self.settle();
             self.release_shelves(false);
             return;
         }
@@ -2192,6 +2195,7 @@ impl Model {
             p.stop();
         }
         self.sim.set_logging(false);
+        self.settle();
         self.release_shelves(true);
     }
 

@@ -211,6 +211,9 @@ struct State {
     /// The last worker ended by [`SimDriver::end_host_thread`], until a new one starts: the new
     /// one waits for it to return (see `streams::host_worker`).
     host_ended: Option<std::sync::mpsc::Receiver<()>>,
+    /// Set by [`SimDriver::end_host_thread`]: a worker started after it is ended as soon as it
+    /// has been sent its host functions (it returns once it has run them).
+    host_retired: bool,
     pool_streams: u64,
     /// Streams with a non-empty queue: `progress` visits only these.
     busy: std::collections::BTreeSet<u64>,
@@ -278,6 +281,13 @@ impl Drop for SimDriver {
             drop(w.tx);
             if w.thread.thread().id() != std::thread::current().id() {
                 let _ = w.thread.join();
+            }
+        }
+        // And the ended workers (each waits for the one before it to return): unless this is
+        // one of them.
+        if let Some(gone) = st.host_ended.take() {
+            if !streams::IN_HOST_FN.with(|c| c.get()) {
+                let _ = gone.recv();
             }
         }
     }
@@ -387,6 +397,7 @@ impl SimDriver {
                 freed: BTreeMap::new(),
                 host: None,
                 host_ended: None,
+                host_retired: false,
                 pool_streams: 0,
                 busy: std::collections::BTreeSet::new(),
                 watch: streams::Watched::default(),
@@ -714,12 +725,14 @@ impl SimDriver {
 
     /// Ends the simulation's host-function thread once the host functions already sent to it
     /// have run, as the simulation's drop does, and waits for it to return, unless called from
-    /// a host function (then it does not wait). A host function that becomes due later starts
-    /// another thread, which runs nothing before the ended one has returned: host functions
-    /// still run one at a time, in order. For a simulation kept alive on purpose (a dead or
-    /// leaked context's state holds its driver): without this its thread lives as long as the
-    /// process. Returns whether a thread was ended. As with the simulation's drop, a caller
-    /// that holds what a pending host function waits for never returns.
+    /// a host function (then it does not wait). A host function that becomes due later, then or
+    /// while the ended thread runs its last ones, starts another thread, which runs nothing
+    /// before the ended one has returned (host functions still run one at a time, in order),
+    /// and which returns once it has run what was due (no thread waits for more). For a
+    /// simulation kept alive on purpose (a dead or leaked context's state holds its driver):
+    /// without this its thread lives as long as the process. Returns whether a thread was
+    /// ended. As with the simulation's drop, a caller that holds what a pending host function
+    /// waits for never returns.
     ///
     /// ```
     /// # use cuda_stream_pool::{driver::SimDriver, Context};
@@ -738,6 +751,7 @@ impl SimDriver {
     /// ```
     pub fn end_host_thread(&self) -> bool {
         let mut st = self.lock();
+        st.host_retired = true;
         let Some(w) = st.host.take() else {
             return false;
         };

@@ -499,6 +499,14 @@ impl SimDriver {
                             if let Some(job) = unsent {
                                 job();
                             }
+                            if st.host_retired {
+                                // Ended (`SimDriver::end_host_thread`): the worker runs what it
+                                // was sent and returns; the next one waits for it.
+                                if let Some(w) = st.host.take() {
+                                    st.host_ended = Some(w.gone);
+                                    drop(w.tx);
+                                }
+                            }
                         }
                         if !done.load(Ordering::Acquire) {
                             // Running on the host-function thread: done at any time.
