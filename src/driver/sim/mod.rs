@@ -268,6 +268,8 @@ pub struct SimDriver {
     copy_ns: AtomicU64,
     /// GPU time of a `cuMemFreeAsync` under the manual clock ([`SimDriver::set_free_time`]).
     free_ns: AtomicU64,
+    /// Starts of a host-function thread still to fail ([`SimDriver::fail_host_thread_spawns`]).
+    pub(super) host_spawn_failures: AtomicU64,
 }
 
 impl Drop for SimDriver {
@@ -275,7 +277,6 @@ impl Drop for SimDriver {
         // Ends the host-function thread and waits for it (unless this is that thread: the last
         // reference dropped by a host function), so that no thread outlives the simulation.
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        st.host_mem.release_all();
         let worker = st.host.take();
         if let Some(w) = worker {
             drop(w.tx);
@@ -284,12 +285,15 @@ impl Drop for SimDriver {
             }
         }
         // And the ended workers (each waits for the one before it to return): unless this is
-        // one of them.
+        // one of them (a host function of this simulation; another simulation's host function
+        // waits: review 25).
         if let Some(gone) = st.host_ended.take() {
-            if !streams::IN_HOST_FN.with(|c| c.get()) {
+            if streams::HOST_FN_OF.with(|c| c.get()) != self.id {
                 let _ = gone.recv();
             }
         }
+        // Host memory last: a host function still running above may read it (review 25).
+        st.host_mem.release_all();
     }
 }
 
@@ -411,6 +415,7 @@ impl SimDriver {
             host_calls: Mutex::new(Vec::new()),
             copy_ns: AtomicU64::new(0),
             free_ns: AtomicU64::new(0),
+            host_spawn_failures: AtomicU64::new(0),
         }
     }
 
@@ -767,6 +772,15 @@ impl SimDriver {
         }
         let _ = w.thread.join();
         true
+    }
+
+    /// Makes the next `n` starts of a host-function thread fail, as when the process is out of
+    /// threads: a host function then runs on the thread that completes it, once the thread
+    /// ended before it (see [`SimDriver::end_host_thread`]) has returned. For the simulation's
+    /// own tests.
+    #[doc(hidden)]
+    pub fn fail_host_thread_spawns(&self, n: u64) {
+        self.host_spawn_failures.store(n, Ordering::SeqCst);
     }
 
     /// Stream creations blocked right now behind a GPU-side wait ([`SimConfig::create_stall_at`]).

@@ -191,6 +191,8 @@ impl Clock {
 thread_local! {
     /// Set while this thread runs a host function for the simulation.
     pub(super) static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+    /// The id of the simulation whose host function this thread runs (0: none).
+    pub(super) static HOST_FN_OF: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Runs `f` as a host function: with [`IN_HOST_FN`] set and panics caught.
@@ -266,16 +268,29 @@ pub(super) struct HostWorker {
     pub(super) gone: mpsc::Receiver<()>,
 }
 
-/// Starts the worker; `None` when no thread can be started (host functions then run on the
-/// thread that completes them). `after`: the `gone` of an ended worker that may still be running
-/// its last jobs; the new one runs none before that one has returned.
-pub(super) fn host_worker(after: Option<mpsc::Receiver<()>>) -> Option<HostWorker> {
+/// Starts the worker; `Err` when no thread can be started (or `fail`, the simulation's
+/// injected failure: [`SimDriver::fail_host_thread_spawns`]), with `after` given back (host
+/// functions then run on the thread that completes them, once the ended worker has returned).
+/// `after`: the `gone` of an ended worker that may still be running its last jobs; the new one
+/// runs none before that one has returned.
+pub(super) fn host_worker(
+    after: Option<mpsc::Receiver<()>>,
+    fail: bool,
+) -> std::result::Result<HostWorker, Option<mpsc::Receiver<()>>> {
+    if fail {
+        return Err(after);
+    }
     let (tx, rx) = mpsc::channel::<HostJob>();
     let (gone_tx, gone) = mpsc::channel::<()>();
-    let thread = std::thread::Builder::new()
+    // Taken by the thread when it starts; taken back if it cannot start.
+    let after = Arc::new(std::sync::Mutex::new(after));
+    let theirs = after.clone();
+    let spawned = std::thread::Builder::new()
         .name("sim-host-fn".into())
         .spawn(move || {
             let _gone = gone_tx;
+            let after = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+            drop(theirs);
             if let Some(after) = after {
                 // Returns `Err` once the ended worker's thread has returned.
                 let _ = after.recv();
@@ -283,9 +298,11 @@ pub(super) fn host_worker(after: Option<mpsc::Receiver<()>>) -> Option<HostWorke
             while let Ok(job) = rx.recv() {
                 job();
             }
-        })
-        .ok()?;
-    Some(HostWorker { tx, thread, gone })
+        });
+    match spawned {
+        Ok(thread) => Ok(HostWorker { tx, thread, gone }),
+        Err(_) => Err(after.lock().unwrap_or_else(|p| p.into_inner()).take()),
+    }
 }
 
 impl SimDriver {
@@ -476,18 +493,41 @@ impl SimDriver {
                         break;
                     }
                     if let OpKind::Host { f, done } = &mut head.kind {
+                        if f.is_some() && st.host.is_none() {
+                            let after = st.host_ended.take();
+                            let fail = self.host_spawn_failures.load(Ordering::SeqCst) > 0;
+                            if fail {
+                                self.host_spawn_failures.fetch_sub(1, Ordering::SeqCst);
+                            }
+                            match host_worker(after, fail) {
+                                Ok(w) => st.host = Some(w),
+                                Err(after) => st.host_ended = after,
+                            }
+                            // No thread: the host function runs here, but never beside an
+                            // ended worker's last ones (review 25): while that one runs, it
+                            // waits (a later pass starts a thread, or runs it here).
+                            if st.host.is_none() {
+                                let ended_runs = st.host_ended.as_ref().is_some_and(|g| {
+                                    matches!(g.try_recv(), Err(mpsc::TryRecvError::Empty))
+                                });
+                                if ended_runs {
+                                    st.watch.insert(id, Watch::Always);
+                                    break;
+                                }
+                                st.host_ended = None;
+                            }
+                        }
                         if let Some(f) = f.take() {
                             any = true;
                             let done = done.clone();
                             let cv = self.cv.clone();
-                            if st.host.is_none() {
-                                let after = st.host_ended.take();
-                                st.host = host_worker(after);
-                            }
                             let jobs = self.host_jobs.clone();
                             jobs.0.fetch_add(1, Ordering::SeqCst);
+                            let sim_id = self.id;
                             let job: HostJob = Box::new(move || {
+                                let outer = HOST_FN_OF.with(|c| c.replace(sim_id));
                                 run_host_fn(f);
+                                HOST_FN_OF.with(|c| c.set(outer));
                                 done.store(true, Ordering::Release);
                                 jobs.1.fetch_add(1, Ordering::SeqCst);
                                 cv.notify_all();
