@@ -10,30 +10,22 @@
 //! tests/proptest_model.rs. Every input is replayed and every failing one is reported (one failure
 //! does not hide the others); an input that leaves a simulation's host-function thread behind
 //! (a leaked simulation whose thread was not ended: one more parked thread per such input in a
-//! fuzz campaign) fails too. `CSP_CORPUS_FILTER=PREFIX` replays only the inputs whose file name
-//! starts with PREFIX; `CSP_CORPUS_REPEAT=N` replays each N times.
+//! fuzz campaign) fails too (counted by the simulations themselves, exactly:
+//! `SimDriver::live_host_threads`). `CSP_CORPUS_FILTER=PREFIX` replays only the inputs whose file
+//! name starts with PREFIX; `CSP_CORPUS_REPEAT=N` replays each N times.
 
 mod model;
 
-/// The process's live host-function threads of simulations (named `sim-host-fn`), where the
-/// system lists a process's threads (`/proc/self/task`, Linux).
-fn host_fn_threads() -> Option<usize> {
-    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
-    Some(
-        tasks
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .filter(|name| name.trim() == "sim-host-fn")
-            .count(),
-    )
-}
+use cuda_stream_pool::driver::SimDriver;
 
-/// Whether the simulations' host-function threads are back to `before` (the model ends the
-/// thread of every simulation it leaks, and a simulation's drop ends its own; one that a host
-/// function itself ended returns on its own, so it may take a moment: a hang guard of 60 s).
+/// Whether the simulations' host-function threads are back to `before`
+/// ([`SimDriver::live_host_threads`]: the model ends the thread of every simulation it leaks, and
+/// a simulation's drop ends its own; one that a host function itself ended returns on its own,
+/// so it may take a moment: a hang guard of 60 s).
 fn threads_back_to(before: usize) -> bool {
     let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        if host_fn_threads().is_none_or(|n| n <= before) {
+        if SimDriver::live_host_threads() <= before {
             return true;
         }
         if std::time::Instant::now() > until {
@@ -89,16 +81,14 @@ fn replay_fuzz_corpus() {
             let bytes = std::fs::read(path).unwrap();
             for _ in 0..repeat {
                 n += 1;
-                let threads = host_fn_threads();
+                let before = SimDriver::live_host_threads();
                 if std::panic::catch_unwind(|| run(&bytes)).is_err() {
                     failed.push(path.display().to_string());
-                } else if let Some(before) = threads {
-                    if !threads_back_to(before) {
-                        failed.push(format!(
-                            "{}: a simulation's host-function thread is left behind",
-                            path.display()
-                        ));
-                    }
+                } else if !threads_back_to(before) {
+                    failed.push(format!(
+                        "{}: a simulation's host-function thread is left behind",
+                        path.display()
+                    ));
                 }
             }
         }

@@ -774,6 +774,14 @@ impl SimDriver {
         true
     }
 
+    /// The host-function threads of every simulation of the process that have not returned
+    /// (counted before a thread starts, and by the thread as the last thing it does): for tests
+    /// that check that no simulation leaves one behind.
+    #[doc(hidden)]
+    pub fn live_host_threads() -> usize {
+        streams::LIVE_HOST_THREADS.load(Ordering::SeqCst)
+    }
+
     /// Makes the next `n` starts of a host-function thread fail, as when the process is out of
     /// threads: a host function then runs on the thread that completes it, once the thread
     /// ended before it (see [`SimDriver::end_host_thread`]) has returned. For the simulation's

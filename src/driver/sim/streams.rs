@@ -188,6 +188,11 @@ impl Clock {
     }
 }
 
+/// The host-function threads of every simulation of the process that have not returned:
+/// counted before a thread starts, and by the thread as the last thing it does.
+pub(super) static LIVE_HOST_THREADS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
 thread_local! {
     /// Set while this thread runs a host function for the simulation.
     pub(super) static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
@@ -285,10 +290,11 @@ pub(super) fn host_worker(
     // Taken by the thread when it starts; taken back if it cannot start.
     let after = Arc::new(std::sync::Mutex::new(after));
     let theirs = after.clone();
+    LIVE_HOST_THREADS.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new()
         .name("sim-host-fn".into())
         .spawn(move || {
-            let _gone = gone_tx;
+            let gone = gone_tx;
             let after = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
             drop(theirs);
             if let Some(after) = after {
@@ -298,10 +304,16 @@ pub(super) fn host_worker(
             while let Ok(job) = rx.recv() {
                 job();
             }
+            // Counted out before its `gone` closes: whoever waits for that sees it counted out.
+            LIVE_HOST_THREADS.fetch_sub(1, Ordering::SeqCst);
+            drop(gone);
         });
     match spawned {
         Ok(thread) => Ok(HostWorker { tx, thread, gone }),
-        Err(_) => Err(after.lock().unwrap_or_else(|p| p.into_inner()).take()),
+        Err(_) => {
+            LIVE_HOST_THREADS.fetch_sub(1, Ordering::SeqCst);
+            Err(after.lock().unwrap_or_else(|p| p.into_inner()).take())
+        }
     }
 }
 
