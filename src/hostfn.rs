@@ -71,27 +71,115 @@ pub(crate) fn on_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
     }
 }
 
-/// Wakes an async task, containing a panicking waker. On a host-function thread the waker is
-/// not run there (a waker may poll its future inline, and that code may call the driver): it is
-/// handed to one waker thread of the process ("cuda-stream-pool-wake", started on first need,
-/// idle otherwise), which runs it.
-pub(crate) fn wake_task(w: std::task::Waker) {
-    fn run(w: std::task::Waker) {
-        // A waker may poll its future inline: user code, run outside the device rules' scopes.
+/// A task's waker kept by the crate (a waiter of the pool's gate, a pending completion, a
+/// wake-up after a poll). A waker's clone, wake and drop are user code, which may re-enter the
+/// crate, change the thread's current context or capture mode, or poll its future inline; this
+/// type is the one place that runs them, so that every call site keeps the rules:
+///
+/// * each runs outside the device rules' scopes (`driver::outside_scopes`): user code sees the
+///   thread's context and capture mode as the crate's caller left them, and what it changes
+///   there cannot mislead an open scope into skipping a switch (review 26);
+/// * a wake or drop on a host-function thread runs on the waker thread instead (user code may
+///   call the driver, which a host function must not);
+/// * a panicking waker is contained;
+/// * none runs under a lock of the crate: checked in every test build (`sync::locks_held`).
+pub(crate) struct TaskWaker(Option<std::task::Waker>);
+
+impl TaskWaker {
+    /// A clone of `w`, made outside the scopes.
+    pub(crate) fn new(w: &std::task::Waker) -> TaskWaker {
+        no_lock_held("a waker's clone");
+        TaskWaker(Some(driver::outside_scopes(|| w.clone())))
+    }
+
+    /// Whether waking this one would wake the task that `w` wakes (no user code).
+    pub(crate) fn will_wake(&self, w: &std::task::Waker) -> bool {
+        self.0.as_ref().is_some_and(|k| k.will_wake(w))
+    }
+
+    /// Wakes the task (see the type's rules).
+    pub(crate) fn wake(mut self) {
+        if let Some(w) = self.0.take() {
+            run_user(Job::Wake(w));
+        }
+    }
+
+    /// Wakes the task through a shared reference: the waker's own `wake` if this is the last
+    /// reference, else `wake_by_ref` (no clone).
+    pub(crate) fn wake_shared(this: Arc<TaskWaker>) {
+        match Arc::try_unwrap(this) {
+            Ok(w) => w.wake(),
+            Err(shared) => run_user(Job::WakeShared(shared)),
+        }
+    }
+}
+
+impl Drop for TaskWaker {
+    fn drop(&mut self) {
+        if let Some(w) = self.0.take() {
+            run_user(Job::Drop(w));
+        }
+    }
+}
+
+impl std::fmt::Debug for TaskWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskWaker").finish_non_exhaustive()
+    }
+}
+
+/// Fails (in a test build) when the calling thread holds a lock of the crate: `what`, user
+/// code, is about to run.
+fn no_lock_held(what: &str) {
+    let held = crate::sync::locks_held();
+    assert!(
+        held == 0,
+        "{what} (user code) would run under {held} lock(s) of the crate"
+    );
+}
+
+/// What [`run_user`] does with a waker.
+enum Job {
+    Wake(std::task::Waker),
+    WakeShared(Arc<TaskWaker>),
+    Drop(std::task::Waker),
+}
+
+impl Job {
+    /// Runs it here, outside the scopes, containing a panic.
+    fn run(self) {
         driver::outside_scopes(|| {
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake()));
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match self {
+                Job::Wake(w) => w.wake(),
+                Job::WakeShared(w) => {
+                    if let Some(k) = &w.0 {
+                        k.wake_by_ref();
+                    }
+                    // The last reference may go here: its drop is a `Job::Drop`, run inline
+                    // (this thread is not a host function's).
+                    drop(w);
+                }
+                Job::Drop(w) => drop(w),
+            }));
         });
     }
+}
+
+/// Runs a waker's wake or drop: here, or, on a host-function thread, on one waker thread of the
+/// process ("cuda-stream-pool-wake", started on first need, idle otherwise), which runs it (a
+/// waker may poll its future inline, and that code may call the driver).
+fn run_user(job: Job) {
+    no_lock_held("a waker's wake or drop");
     if !on_host_fn_thread() {
-        return run(w);
+        return job.run();
     }
     /// A waker handed to a background thread: counted for the model while pending (see
     /// `sync::background_queued`), and counted as run when run or dropped.
-    struct Bg(Option<std::task::Waker>);
+    struct Bg(Option<Job>);
     impl Bg {
         fn run(mut self) {
-            if let Some(w) = self.0.take() {
-                run(w);
+            if let Some(j) = self.0.take() {
+                j.run();
             }
         }
     }
@@ -101,7 +189,7 @@ pub(crate) fn wake_task(w: std::task::Waker) {
         }
     }
     crate::sync::background_queued();
-    let w = Bg(Some(w));
+    let w = Bg(Some(job));
     static WAKER_THREAD: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Bg>>> =
         std::sync::OnceLock::new();
     let tx = WAKER_THREAD.get_or_init(|| {

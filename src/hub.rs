@@ -13,6 +13,7 @@ use crate::driver::{
     event_flags, host_alloc_flags, stream_flags, DevicePtr, Driver, Event, Stream,
 };
 use crate::error::{Error, Result};
+use crate::hostfn::TaskWaker;
 use crate::pinned::{self, Block, Home};
 use crate::sync::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
@@ -54,7 +55,7 @@ struct EntryState {
     done: bool,
     /// Set when the entry was given up: the context died before the write landed.
     error: Option<Error>,
-    waker: Option<Waker>,
+    waker: Option<TaskWaker>,
     /// Host memory the GPU may still write, kept until the write has landed (a dropped future's).
     keep: Option<Box<dyn Any + Send>>,
 }
@@ -101,7 +102,7 @@ impl Entry {
                 return Poll::Pending;
             }
         }
-        let new = waker.clone();
+        let new = TaskWaker::new(waker);
         let replaced = {
             let mut st = lock(&self.state);
             if st.done {
@@ -160,7 +161,7 @@ impl Entry {
         if let Some(w) = waker {
             // A panicking waker is contained: it must not stop the poller (whose entries keep
             // memory that copies still write).
-            crate::hostfn::wake_task(w);
+            w.wake();
         }
     }
 }

@@ -109,6 +109,10 @@
 //!   owners, buffers, contexts and streams taken out of the crate's lists dropped only after the
 //!   lock that guarded them is released, so a waker whose wake or drop re-enters the crate (drops
 //!   an [`Owner`], polls its future inline, drops the last [`Context`]) cannot deadlock it.
+//!   Every waker the crate keeps is held by one type whose clone, wake and drop run with the
+//!   thread's context and capture mode as the crate's caller left them (never the crate's
+//!   switched state), on no host-function thread, and with no lock of the crate held: checked
+//!   in every test build, which counts the locks each thread holds.
 //! * **Teardown where it can complete.** The last [`Context`] dropped on a host-function thread,
 //!   on the completion poller's thread (by a waker it runs), or while the poller runs a waker
 //!   (which may wait for the dropping thread) is torn down on a thread of its own, which waits

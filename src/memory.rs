@@ -211,7 +211,8 @@ impl BufCore {
                 "the buffer is already in use on this thread (a BufferUse of it is alive)",
             ));
         }
-        let last = self.last.lock();
+        let mut last = self.last.lock();
+        last.held_by_user();
         self.holder.store(me, Ordering::Release);
         let mut u = BufferUse { core: self, last };
         let (slot, gen) = (stream.slot(), stream.gen);

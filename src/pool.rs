@@ -14,6 +14,7 @@
 
 use crate::driver::{Driver, Stream};
 use crate::error::Result;
+use crate::hostfn::TaskWaker;
 // Every lock, atomic and thread handle of the pool comes from the shim, so that a loom build
 // (`cfg(loom)`) checks them all.
 use crate::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
@@ -24,7 +25,7 @@ use std::any::Any;
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::task::{Context as TaskContext, Poll, Waker};
+use std::task::{Context as TaskContext, Poll};
 
 /// Idle streams kept per (priority, flags) key (or the key's reserve, when larger: see
 /// [`crate::Context::reserve`]).
@@ -749,8 +750,9 @@ pub(crate) enum Mode {
 enum Wake {
     Thread(thread::Thread),
     /// In an `Arc`, so that the queue can copy it under its lock without running the waker's
-    /// clone (user code).
-    Task(Arc<Waker>),
+    /// clone (user code); a [`TaskWaker`], so that its clone, wake and drop keep the rules of
+    /// user code wherever they happen.
+    Task(Arc<TaskWaker>),
 }
 
 impl Wake {
@@ -758,7 +760,7 @@ impl Wake {
     fn wake(self) {
         match self {
             Wake::Thread(t) => crate::sync::unpark(&t),
-            Wake::Task(w) => crate::hostfn::wake_task(Arc::unwrap_or_clone(w)),
+            Wake::Task(w) => TaskWaker::wake_shared(w),
         }
     }
 }
@@ -1348,7 +1350,7 @@ impl Pool {
                     Ok(None) => {}
                 }
             }
-            *ticket = Some(g.join(Wake::Task(Arc::new(cx.waker().clone()))));
+            *ticket = Some(g.join(Wake::Task(Arc::new(TaskWaker::new(cx.waker())))));
         }
         let Some(id) = ticket.as_ref().map(|t| t.id) else {
             return Poll::Pending;
@@ -1365,7 +1367,7 @@ impl Pool {
             // the queue already has this waker.
             let turn = g.turn(
                 id,
-                Wake::Task(Arc::new(cx.waker().clone())),
+                Wake::Task(Arc::new(TaskWaker::new(cx.waker()))),
                 &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
             );
             if !turn {
@@ -1382,10 +1384,10 @@ impl Pool {
                 if self.lent_out() > 0 {
                     // As in `acquire`: look for ended loans now, and again after LOAN_POLL.
                     reclaim();
-                    wake_after_poll(cx.waker().clone(), true);
+                    wake_after_poll(TaskWaker::new(cx.waker()), true);
                 } else if armed {
                     // Polled again after a while to ask once more (no driver call until then).
-                    wake_after_poll(cx.waker().clone(), false);
+                    wake_after_poll(TaskWaker::new(cx.waker()), false);
                 }
                 return Poll::Pending;
             }
@@ -1868,15 +1870,15 @@ impl Pool {
 /// `sync::background_queued`): it may be the one that serves the waiter. A fault poll's is not:
 /// it can only find a fault, which the model does not make, and counting it would keep the
 /// model from ever seeing the crate quiet.
-fn wake_after_poll(w: Waker, counted: bool) {
+fn wake_after_poll(w: TaskWaker, counted: bool) {
     use std::sync::mpsc;
     /// A waker handed to the loans thread, counted as run when woken or dropped if it was
     /// counted when queued.
-    struct Bg(Option<Waker>, bool);
+    struct Bg(Option<TaskWaker>, bool);
     impl Bg {
         fn wake(mut self) {
             if let Some(w) = self.0.take() {
-                crate::hostfn::wake_task(w);
+                w.wake();
             }
         }
     }

@@ -119,6 +119,9 @@ pub(crate) struct MutexGuard<'a, T: ?Sized> {
     lock: &'a Mutex<T>,
     /// `None` only while a [`Condvar::wait`] has released the lock.
     inner: Option<imp::MutexGuard<'a, T>>,
+    /// Handed to the user ([`MutexGuard::held_by_user`]): not counted in [`locks_held`].
+    #[cfg(all(feature = "model-hooks", not(loom)))]
+    user: bool,
 }
 
 impl<T> Mutex<T> {
@@ -150,6 +153,8 @@ impl<T: ?Sized> Mutex<T> {
         MutexGuard {
             lock: self,
             inner: Some(inner),
+            #[cfg(all(feature = "model-hooks", not(loom)))]
+            user: false,
         }
     }
 
@@ -182,10 +187,26 @@ impl<T: ?Sized> DerefMut for MutexGuard<'_, T> {
     }
 }
 
+impl<T: ?Sized> MutexGuard<'_, T> {
+    /// Marks a guard that the crate hands to its user (a [`crate::BufferUse`] holds the
+    /// buffer's use lock while the user's code runs, by design): not counted in [`locks_held`],
+    /// which counts the locks the crate's own code holds.
+    pub(crate) fn held_by_user(&mut self) {
+        #[cfg(all(feature = "model-hooks", not(loom)))]
+        if !self.user {
+            self.user = true;
+            hook::uncount();
+        }
+    }
+}
+
 impl<T: ?Sized> Drop for MutexGuard<'_, T> {
     fn drop(&mut self) {
         #[cfg(all(feature = "model-hooks", not(loom)))]
         if self.inner.is_some() {
+            if self.user {
+                hook::recount();
+            }
             hook::unlocking(&self.lock.holder);
         }
     }
@@ -238,6 +259,17 @@ impl Condvar {
     pub(crate) fn notify_all(&self) {
         self.0.notify_all();
     }
+}
+
+/// How many of the crate's locks the calling thread holds: counted with the model's hooks (every
+/// test build), 0 otherwise. The crate's code that runs user code (a waker's clone, wake or drop:
+/// [`crate::hostfn::TaskWaker`]) asserts it is 0, so that a call site that runs user code under a
+/// lock fails every test that reaches it instead of deadlocking a user now and then.
+pub(crate) fn locks_held() -> usize {
+    #[cfg(all(feature = "model-hooks", not(loom)))]
+    return hook::held();
+    #[cfg(not(all(feature = "model-hooks", not(loom))))]
+    0
 }
 
 /// Parks the calling thread until it is unparked (or spuriously; a scheduled thread yields once
@@ -376,6 +408,23 @@ pub mod hook {
     thread_local! {
         static SCHED: RefCell<Option<Arc<dyn Scheduler>>> = const { RefCell::new(None) };
         static ID: Cell<u64> = const { Cell::new(0) };
+        /// The crate's locks this thread holds (see [`super::locks_held`]).
+        static HELD: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// The crate's locks the calling thread holds.
+    pub(crate) fn held() -> usize {
+        HELD.try_with(|h| h.get()).unwrap_or(0)
+    }
+
+    /// A held lock leaves the count (see `MutexGuard::held_by_user`).
+    pub(crate) fn uncount() {
+        let _ = HELD.try_with(|h| h.set(h.get().saturating_sub(1)));
+    }
+
+    /// It comes back, to be released.
+    pub(crate) fn recount() {
+        let _ = HELD.try_with(|h| h.set(h.get() + 1));
     }
 
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -583,10 +632,12 @@ pub mod hook {
     // them (the benchmarks and examples are built with the hooks: see BENCHMARKS.md).
     pub(crate) fn locked(holder: &AtomicU64) {
         holder.store(id(), Ordering::Relaxed);
+        let _ = HELD.try_with(|h| h.set(h.get() + 1));
     }
 
     pub(crate) fn unlocking(holder: &AtomicU64) {
         holder.store(0, Ordering::Relaxed);
+        let _ = HELD.try_with(|h| h.set(h.get().saturating_sub(1)));
     }
 
     pub(crate) fn lock<'a, T: ?Sized>(

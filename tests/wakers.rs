@@ -410,7 +410,9 @@ fn polling_a_waiter_with_a_new_waker_whose_clone_releases_a_stream_does_not_dead
 }
 
 // Regression: issue 19 review finding (the next waiter's waker cloned under the queue lock when
-// the first waiter leaves and passes its turn on)
+// the first waiter leaves and passes its turn on). Since review 26 a turn passed on wakes the
+// waiter's kept waker by reference (no clone at all); the waker is cloned once, when the waiter
+// registers it, and a clone that gave the stream back then would still deadlock nothing.
 #[test]
 fn a_leaving_waiter_passing_its_turn_to_a_cloning_waker_does_not_deadlock() {
     let (_sim, ctx) = capped(2);
@@ -434,10 +436,7 @@ fn a_leaving_waiter_passing_its_turn_to_a_cloning_waker_does_not_deadlock() {
             || matches!(poll(second.as_mut(), &w), Poll::Ready(Ok(_)));
         (state.clones.load(Ordering::SeqCst), served)
     });
-    assert!(
-        r.0 >= 2,
-        "the waker was not cloned when the stream was passed on"
-    );
+    assert!(r.0 >= 1, "the waker was not registered");
     assert!(r.1, "the second waiter was not served");
 }
 
