@@ -1494,12 +1494,20 @@ impl Pool {
                         continue;
                     }
                     Err(_) => {
-                        // RAN, yet the attempt found the stream busy even after waiting for the
-                        // function's return (`finish_wake_up`): only a dead context does that,
-                        // and no wake-up will come. The waiter polls for the fault (R7-1: it
-                        // slept for ever).
+                        // RAN, yet the attempt did not take the stream: its queries failed (a
+                        // transient error: the stream may well be idle) or its context died.
+                        // Armed again: in a live context the new function runs once the stream
+                        // is idle and notifies again (review 26: after two failed queries the
+                        // waiter slept for ever beside the idle stream); in a dead one it never
+                        // runs (or its launch fails), and the waiter polls for the fault (R7-1).
                         armed_any = true;
-                        continue;
+                        if slot
+                            .armed
+                            .compare_exchange(RAN, ARMED, Ordering::AcqRel, Ordering::Acquire)
+                            .is_err()
+                        {
+                            continue;
+                        }
                     }
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
