@@ -15,8 +15,8 @@
 //!   last cudarc handle is gone, the stream goes back to the pool after its work completed.
 //! * [`DeviceBuffer::cudarc_use`] is a [`BufferUse`]: the stream is ordered after the buffer's
 //!   previous use, and the use is recorded when the guard is made, before the cudarc work is
-//!   enqueued (so a leaked guard is still a use: the buffer's free orders after its work). A cudarc launch on another stream than the use's is ordered both ways (see
-//!   [`CudarcUse`]).
+//!   enqueued (so a leaked guard is still a use: the buffer's free orders after its work). It is
+//!   for work on that stream only (see [`CudarcUse`]).
 //!
 //! Slices that cudarc allocated before [`Context::from_cudarc`] switched it to multi-stream
 //! mode carry events that nothing recorded until then: cudarc does not order their earlier uses
@@ -252,10 +252,11 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 /// A use of a [`DeviceBuffer`] on a lent stream, for cudarc: implements cudarc's
 /// `DeviceSlice`, `DevicePtr` and `DevicePtrMut`.
 ///
-/// For a launch or copy on the use's own stream (the usual case) nothing more is needed. On
-/// another cudarc stream, `device_ptr` orders that stream after the use's stream (event wait)
-/// and returns a `SyncOnDrop` that synchronizes it once the work is enqueued, so the use is
-/// complete before the guard records it.
+/// It is for work on the use's own stream (the lent stream it was made on): `device_ptr` for
+/// another stream is refused. Ordering that stream's work back before the buffer's free would
+/// rest on the returned `SyncOnDrop` (cudarc synchronizes at its drop), which a `mem::forget`
+/// skips (review 26). For another lent stream make a use there; for a stream of cudarc's own,
+/// hand the buffer to cudarc ([`DeviceBuffer::into_cudarc`]), whose events order its slices.
 ///
 /// Made on a stream that its borrower (cudarc) is capturing, the use is refused
 /// ([`Error::CaptureInProgress`]); made inside a capture of the crate's, the buffer is kept by
@@ -265,13 +266,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 ///
 /// # Panics
 /// `device_ptr` / `device_ptr_mut` panic, before enqueuing anything, where
-/// [`CudarcUse::device_ptr_on`] returns an error: when asked for another stream that is
-/// capturing, or when either stream is capturing and they differ (no ordering is then possible
-/// without joining or invalidating a capture), when the use's stream is in another capture than
-/// the one it was in when the use was made, and when the driver fails the capture query or the
-/// ordering; the cudarc traits have no way to return the error. Call `device_ptr_on` first (it
-/// orders once; the trait's call after it finds nothing left to order) where a panic is not
-/// acceptable.
+/// [`CudarcUse::device_ptr_on`] returns an error: when asked for another stream than the use's,
+/// when the use's stream is in another capture than the one it was in when the use was made,
+/// and when the driver fails the capture query; the cudarc traits have no way to return the
+/// error. Call `device_ptr_on` first where a panic is not acceptable.
 #[must_use = "the buffer's use lock is held while the guard lives: enqueue the cudarc work while it lives"]
 pub struct CudarcUse<'b, T> {
     inner: BufferUse<'b>,
@@ -293,53 +291,44 @@ impl<T> std::fmt::Debug for CudarcUse<'_, T> {
 }
 
 impl<T> CudarcUse<'_, T> {
-    /// The buffer's device address for work on `stream`, ordered: on the use's own stream
-    /// nothing is enqueued (after a check that its capture is still the one the use was made
-    /// in); on another stream, that stream waits for the use's stream (an event wait) and the
-    /// returned guard synchronizes it when dropped (after the caller enqueued its work), so the
-    /// work is complete before the use is recorded. What `device_ptr` does, as a `Result`.
+    /// The buffer's device address for work on `stream`, which must be the use's own stream
+    /// (checked, with its capture still the one the use was made in); nothing is enqueued, and
+    /// the returned `SyncOnDrop` does nothing. What `device_ptr` does, as a `Result`.
     ///
     /// # Errors
-    /// [`Error::CaptureInProgress`] when either stream is capturing and they differ, or when the
-    /// use's stream is in another capture than the one it was in when the use was made (that
-    /// capture's graph would not keep the buffer alive); the driver's error of the capture
-    /// query or the ordering. Nothing is enqueued on an error.
+    /// [`Error::InvalidArgument`] for another stream (see [`CudarcUse`]);
+    /// [`Error::CaptureInProgress`] when the use's stream is in another capture than the one it
+    /// was in when the use was made (that capture's graph would not keep the buffer alive); the
+    /// driver's error of the capture query.
     pub fn device_ptr_on<'a>(&'a self, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
         Ok((self.ptr, self.order_other(stream)?))
     }
 
-    /// Orders `other` after the use's stream (see [`CudarcUse::device_ptr_on`]).
+    /// Checks that `other` is the use's stream, in the capture the use was made in (see
+    /// [`CudarcUse::device_ptr_on`]).
     fn order_other<'a>(&'a self, other: &'a CudaStream) -> Result<SyncOnDrop<'a>> {
         let mine = driver::Stream::from(self.stream.cu_stream());
         let theirs = driver::Stream::from(other.cu_stream());
+        if mine != theirs {
+            // Work on another stream would be ordered back only by the `SyncOnDrop` (cudarc's
+            // synchronize, outside the crate's device rules), which a `mem::forget` skips: the
+            // buffer's free would then not wait for that work (review 26).
+            return Err(Error::invalid(
+                "a CudarcUse is for work on its own stream: for another lent stream make a use                  there (DeviceBuffer::cudarc_use with that stream's StreamRef); for a stream of                  cudarc's own, hand the buffer to cudarc (DeviceBuffer::into_cudarc)",
+            ));
+        }
         let ci = &self.inner.context().inner;
-        if mine == theirs {
-            // SAFETY: the use's stream is held (the guard borrows its reference); the query is
-            // allowed in every capture mode and invalidates nothing.
-            return match unsafe { ci.driver.stream_capture_info(mine) }? {
-                (CaptureStatus::None, _) => Ok(SyncOnDrop::Sync(None)),
-                (_, id) if self.capture == Some(id) => Ok(SyncOnDrop::Sync(None)),
-                _ => Err(Error::CaptureInProgress(
-                    "CudarcUse: its stream began a capture after the use was made; that \
-                     capture's graph would not keep the buffer alive (make the use inside the \
-                     capture)"
-                        .into(),
-                )),
-            };
+        // SAFETY: the use's stream is held (the guard borrows its reference); the query is
+        // allowed in every capture mode and invalidates nothing.
+        match unsafe { ci.driver.stream_capture_info(mine) }? {
+            (CaptureStatus::None, _) => Ok(SyncOnDrop::Sync(None)),
+            (_, id) if self.capture == Some(id) => Ok(SyncOnDrop::Sync(None)),
+            _ => Err(Error::CaptureInProgress(
+                "CudarcUse: its stream began a capture after the use was made; that capture's \
+                 graph would not keep the buffer alive (make the use inside the capture)"
+                    .into(),
+            )),
         }
-        let _scope = ci.scope();
-        for s in [mine, theirs] {
-            // SAFETY: both streams are live: the use's stream is held (the guard borrows its
-            // reference) and `other` is borrowed for this call.
-            if unsafe { ci.driver.stream_is_capturing(s) }? != CaptureStatus::None {
-                return Err(Error::CaptureInProgress(
-                    "a CudarcUse cannot order a capturing stream".into(),
-                ));
-            }
-        }
-        // SAFETY: as above; neither stream is capturing.
-        unsafe { ci.order_raw(mine, theirs) }?;
-        Ok(SyncOnDrop::Sync(Some(other)))
     }
 }
 
