@@ -345,7 +345,12 @@ pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
 ///   stream's earlier work;
 /// - make every call on the calling thread's current context (no other thread's) and leave the
 ///   thread's current context and capture mode as the crate set them;
-/// - return from [`Driver::world`] a value shared only by drivers that see the same handles.
+/// - return from [`Driver::world`] a value shared only by drivers that see the same handles;
+/// - never call into this crate from any of its methods (query a [`crate::Context`]'s statistics,
+///   make an owner, drop the last reference of a context...): the crate calls the driver while
+///   it holds locks of its own (a stream's, a pool shard's, the module list's), so such a call
+///   may deadlock (a [`Hook`]'s contract says the same; review 26). [`Driver::world`] alone is
+///   called under no lock of the crate (review 24).
 ///
 /// A driver that breaks these may make the crate free memory the GPU still uses or destroy a
 /// stream twice.
