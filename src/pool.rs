@@ -689,13 +689,29 @@ fn is_idle(driver: &dyn Driver, slot: &Slot, st: &SlotState, why: For) -> bool {
 /// function only notifies the gate: microseconds) and returns whether the stream is idle now.
 /// Without it, a waiter woken by the function would find the stream busy and arm another one,
 /// which could race the same way, again and again.
-fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> bool {
+///
+/// A failed synchronize or query is the caller's error (as in [`destroy_idle`]): counted as
+/// busy, the waiter would arm the stream again, whose new function runs at once and notifies,
+/// and so on for as long as the failure lasts (review 27); before the re-arm, it slept for ever
+/// beside the idle stream (review 26).
+fn finish_wake_up(driver: &dyn Driver, slot: &Slot, st: &SlotState) -> Result<bool> {
     if st.capturing || st.destroyed || slot.armed.load(Ordering::Acquire) != RAN {
-        return false;
+        return Ok(false);
     }
     // SAFETY: the stream is live (not destroyed, under its lock we hold) and not captured.
-    unsafe { driver.stream_synchronize(slot.raw) }.is_ok()
-        && is_idle(driver, slot, st, For::HandOver)
+    unsafe { driver.stream_synchronize(slot.raw) }?;
+    if slot.settled() {
+        return Ok(true);
+    }
+    // Read before the query: what is enqueued after it is not covered by its answer.
+    let n = slot.mark();
+    // SAFETY: as above.
+    let idle = unsafe { driver.stream_query(slot.raw) }?;
+    if idle {
+        // As in `is_idle`: nobody holds the stream, and we hold its lock.
+        slot.seen_complete(n);
+    }
+    Ok(idle)
 }
 
 /// Destroys a stream that nobody holds (retired, or an owned stream being dropped) if it is idle
@@ -1426,7 +1442,7 @@ impl Pool {
         if self.retired.load(Ordering::Acquire) > 0 {
             let mut found = None;
             for i in 0..self.shards.len() {
-                found = self.take_from(driver, home.wrapping_add(i));
+                found = self.take_from(driver, home.wrapping_add(i))?;
                 if found.is_some() || self.retired.load(Ordering::Acquire) == 0 {
                     break;
                 }
@@ -1494,12 +1510,13 @@ impl Pool {
                         continue;
                     }
                     Err(_) => {
-                        // RAN, yet the attempt did not take the stream: its queries failed (a
-                        // transient error: the stream may well be idle) or its context died.
-                        // Armed again: in a live context the new function runs once the stream
-                        // is idle and notifies again (review 26: after two failed queries the
-                        // waiter slept for ever beside the idle stream); in a dead one it never
-                        // runs (or its launch fails), and the waiter polls for the fault (R7-1).
+                        // RAN, yet the attempt did not take the stream: it was busy again after
+                        // the function's return (a free enqueued on it since; a failed query is
+                        // the attempt's error, see `finish_wake_up`). Armed again: the new
+                        // function runs once that work is done and notifies again (review 26: a
+                        // waiter slept for ever beside the idle stream); in a dead context it
+                        // never runs (or its launch fails), and the waiter polls for the fault
+                        // (R7-1).
                         armed_any = true;
                         if slot
                             .armed
@@ -1578,7 +1595,7 @@ impl Pool {
 
     /// Searches one shard: takes the first retired stream that is idle, in the order they were
     /// retired (the oldest is the likeliest to be done).
-    fn take_from(&self, driver: &dyn Driver, index: usize) -> Option<(Arc<Slot>, u64)> {
+    fn take_from(&self, driver: &dyn Driver, index: usize) -> Result<Option<(Arc<Slot>, u64)>> {
         let shard = self.home(index);
         let mut list = shard.list.lock();
         for i in 0..list.len() {
@@ -1586,7 +1603,7 @@ impl Pool {
             // from it below, under the shard's lock still.
             let slot = &list[i];
             let mut st = slot.lock();
-            if !is_idle(driver, slot, &st, For::HandOver) && !finish_wake_up(driver, slot, &st) {
+            if !is_idle(driver, slot, &st, For::HandOver) && !finish_wake_up(driver, slot, &st)? {
                 continue;
             }
             slot.armed.store(UNARMED, Ordering::Release);
@@ -1601,9 +1618,9 @@ impl Pool {
                 self.retired.fetch_sub(1, Ordering::AcqRel);
             }
             bump_locked(&shard.taken);
-            return Some((slot, gen));
+            return Ok(Some((slot, gen)));
         }
-        None
+        Ok(None)
     }
 
     /// Folds a shard's credits back into `retired`; the caller holds the shard's lock (as for
