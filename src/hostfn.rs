@@ -169,8 +169,10 @@ impl Job {
 /// process ("cuda-stream-pool-wake", started on first need, idle otherwise), which runs it (a
 /// waker may poll its future inline, and that code may call the driver).
 fn run_user(job: Job) {
-    no_lock_held("a waker's wake or drop");
     if !on_host_fn_thread() {
+        // Run here: the caller's locks matter (on a host-function thread the job only goes to
+        // the waker thread, whatever the caller holds: review 27).
+        no_lock_held("a waker's wake or drop");
         return job.run();
     }
     /// A waker handed to a background thread: counted for the model while pending (see

@@ -152,3 +152,49 @@ fn a_waker_that_leaves_global_mode_does_not_make_the_acquisition_invalidate_a_ca
     common::capture_survives(foreign.end());
     drop(relaxed);
 }
+
+/// A wake from a host function goes to the waker thread, whatever locks the thread that runs the
+/// host function holds: the check that no lock of the crate is held applies where the waker
+/// runs. Pins review 27's finding: the check came first, so a wake-up host function run inline
+/// in a driver call made under the pool's locks (as a driver may run one when it has no thread
+/// for it) panicked, and the waiter's wake-up was lost.
+#[test]
+fn a_wake_sent_from_a_host_function_is_not_refused_for_the_callers_locks() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    static MSGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        MSGS.lock().unwrap().push(info.to_string());
+        prev(info);
+    }));
+    let sim = Arc::new(SimDriver::realtime());
+    let d: Arc<dyn Driver> = sim.clone();
+    let opts = ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(d, 0, opts).unwrap();
+    let o1 = ctx.owner();
+    let raw = o1.stream().unwrap().raw();
+    let enqueued = std::time::Instant::now();
+    sim.enqueue_work(raw, 1_000_000).unwrap(); // 1 ms
+    drop(o1);
+    let w = recording_waker();
+    let mut cx = std::task::Context::from_waker(&w);
+    let mut fut = Box::pin(ctx.owner().ready());
+    assert!(fut.as_mut().poll(&mut cx).is_pending());
+    // No host-function thread can be started: the wake-up, once due, runs inline in the
+    // driver call that finds it due.
+    sim.fail_host_thread_spawns(1);
+    // Until the 1 ms of work has ended on the simulation's real-time clock (asked without a
+    // call into the simulation, which would run the due host function there).
+    while enqueued.elapsed() < std::time::Duration::from_millis(2) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // A statistics reading queries the retired stream under the pool's locks: the wake-up host
+    // function runs inside that query.
+    let _ = ctx.stats();
+    assert_eq!(sim.host_fn_progress(), (1, 1), "the wake-up ran");
+    let msgs = MSGS.lock().unwrap().clone();
+    assert!(
+        !msgs.iter().any(|m| m.contains("would run under")),
+        "the gate's wake-up panicked in its host function: {msgs:?}"
+    );
+}
