@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU call V (2026-12-07, twelfth session): the GPU test suite (hooks) on review 26's fixes
 # (TaskWaker, the re-armed wake-up, CudarcUse refusing another stream), built with
-#   scripts/gpu-bundle.sh --features cudarc,kernels   (then in .gpu: tar cJf tests.tar.xz tests; rm -rf tests)
+#   scripts/gpu-bundle.sh --features cudarc,kernels --bin cuda-stream-pool   (the demo: its CLI tests run it; then in .gpu: tar cJf tests.tar.xz tests; rm -rf tests)
 cd "$(dirname "$0")/../.."
 start=$(date +%s); el() { echo $(( $(date +%s)-start )); }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
