@@ -6,6 +6,7 @@ use crate::context::{Context, PoolKey, Priority};
 use crate::ctx_ref::CtxRef;
 use crate::driver::stream_flags;
 use crate::error::{Error, Result};
+use crate::hostfn::TaskWaker;
 use crate::pool::{Mode, Slot, Ticket};
 use crate::stream::StreamRef;
 use smallvec::SmallVec;
@@ -645,10 +646,15 @@ impl Future for OwnerReady {
             ci.reclaim_loans();
         }
         let reclaim = || ci.reclaim_loans();
+        // The task's waker, cloned before the scope (user code never runs in one: a clone that
+        // changed the thread's context or capture mode there would mislead the scope, review
+        // 26), and shared by what the acquisition keeps of it; dropped after the scope.
+        let waker = Arc::new(TaskWaker::new(cx.waker()));
         let scope = ci.scope();
         let fault = || ci.fault_now_and_then();
-        let polled = pool.poll_acquire(&*ci.driver, &reclaim, &fault, &mut this.ticket, cx);
+        let polled = pool.poll_acquire(&*ci.driver, &reclaim, &fault, &mut this.ticket, cx, &waker);
         drop(scope);
+        drop(waker);
         match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err(e)) => {

@@ -1356,6 +1356,7 @@ impl Pool {
         fault: &dyn Fn() -> Option<crate::Error>,
         ticket: &mut Option<Ticket>,
         cx: &mut TaskContext<'_>,
+        waker: &Arc<TaskWaker>,
     ) -> Poll<Result<(Arc<Slot>, u64)>> {
         let g = &self.gate;
         if ticket.is_none() {
@@ -1366,7 +1367,7 @@ impl Pool {
                     Ok(None) => {}
                 }
             }
-            *ticket = Some(g.join(Wake::Task(Arc::new(TaskWaker::new(cx.waker())))));
+            *ticket = Some(g.join(Wake::Task(waker.clone())));
         }
         let Some(id) = ticket.as_ref().map(|t| t.id) else {
             return Poll::Pending;
@@ -1379,11 +1380,11 @@ impl Pool {
                 }
                 return Poll::Ready(Ok(found));
             }
-            // Cloned before the queue's lock (a clone is user code), dropped after it when
-            // the queue already has this waker.
+            // The caller's clone (made before its scope: a clone is user code), shared; the
+            // queue keeps its own waker when it is the same.
             let turn = g.turn(
                 id,
-                Wake::Task(Arc::new(TaskWaker::new(cx.waker()))),
+                Wake::Task(waker.clone()),
                 &|w| matches!(w, Wake::Task(k) if k.will_wake(cx.waker())),
             );
             if !turn {
@@ -1400,10 +1401,10 @@ impl Pool {
                 if self.lent_out() > 0 {
                     // As in `acquire`: look for ended loans now, and again after LOAN_POLL.
                     reclaim();
-                    wake_after_poll(TaskWaker::new(cx.waker()), true);
+                    wake_after_poll(waker.clone(), true);
                 } else if armed {
                     // Polled again after a while to ask once more (no driver call until then).
-                    wake_after_poll(TaskWaker::new(cx.waker()), false);
+                    wake_after_poll(waker.clone(), false);
                 }
                 return Poll::Pending;
             }
@@ -1895,15 +1896,15 @@ impl Pool {
 /// `sync::background_queued`): it may be the one that serves the waiter. A fault poll's is not:
 /// it can only find a fault, which the model does not make, and counting it would keep the
 /// model from ever seeing the crate quiet.
-fn wake_after_poll(w: TaskWaker, counted: bool) {
+fn wake_after_poll(w: Arc<TaskWaker>, counted: bool) {
     use std::sync::mpsc;
     /// A waker handed to the loans thread, counted as run when woken or dropped if it was
     /// counted when queued.
-    struct Bg(Option<TaskWaker>, bool);
+    struct Bg(Option<Arc<TaskWaker>>, bool);
     impl Bg {
         fn wake(mut self) {
             if let Some(w) = self.0.take() {
-                w.wake();
+                TaskWaker::wake_shared(w);
             }
         }
     }

@@ -326,3 +326,42 @@ fn a_free_after_a_hand_over_seen_through_a_completion_is_no_race() {
     ctx.synchronize().unwrap();
     assert!(sim.misuse().is_empty(), "{:?}", sim.misuse());
 }
+
+/// An async waiter's poll at the cap, with the key's only stream retired busy (it queries the
+/// stream and arms a wake-up on it), makes its calls in one scope of the device rules: one pair
+/// of capture-mode switches. Pins the cost of review 26's fix as first made (the waker cloned
+/// inside the scope, outside its switches: a second pair, 10 calls instead of 8); the waker is
+/// now cloned before the scope.
+#[test]
+fn a_waiting_poll_at_the_cap_switches_the_capture_mode_once() {
+    use std::future::Future;
+    use std::task::{Wake, Waker};
+    struct Noop;
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+    let sim = Arc::new(SimDriver::new());
+    let d: Arc<dyn Driver> = sim.clone();
+    let opts = cuda_stream_pool::ContextOptions::default().max_live_streams_per_key(Some(1));
+    let ctx = Context::primary_with(d, 0, opts).unwrap();
+    let w = Waker::from(Arc::new(Noop));
+    let mut cx = std::task::Context::from_waker(&w);
+    let o1 = ctx.owner();
+    sim.enqueue_work(o1.stream().unwrap().raw(), 1_000).unwrap();
+    drop(o1);
+    sim.clear_calls();
+    let mut f = Box::pin(ctx.owner().ready());
+    assert!(f.as_mut().poll(&mut cx).is_pending());
+    assert!(f.as_mut().poll(&mut cx).is_pending());
+    let calls: Vec<_> = sim.calls().iter().map(|c| c.name).collect();
+    let pairs = calls
+        .iter()
+        .filter(|&&c| c == "cuThreadExchangeStreamCaptureMode")
+        .count();
+    assert!(
+        calls.contains(&"cuLaunchHostFunc"),
+        "the waiter armed a wake-up: {calls:?}"
+    );
+    assert_eq!(pairs, 2, "one pair of mode switches: {calls:?}");
+    assert!(calls.len() <= 8, "{} calls: {calls:?}", calls.len());
+}
