@@ -25,9 +25,11 @@ R=${ROUNDS:-5}; b=.gpu/bin; log=$OUT/u${PART:-1}.txt
 exec > >(tee -a "$log") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
 if [ "${PART:-1}" = 1 ]; then
+  if [ -z "${SKIP_TESTS:-}" ]; then   # SKIP_TESTS=1: the suite ran already in this call
   tar xJf .gpu/tests.tar.xz -C .gpu && echo "unpacked $(el) s"
   timeout 200 bash .gpu/run-tests.sh > $OUT/gpu-tests.txt 2>&1; echo "tests rc=$? $(el) s"; tail -1 $OUT/gpu-tests.txt
   grep -E "FAILED|panicked|failed;" $OUT/gpu-tests.txt | grep -v " 0 failed" | head -20
+  fi
   filter='^(uncontended/(pool|global_lock)|threads/(pool|global_lock)/(1|16))$'
   for r in $(seq $R); do
     echo "== pool round $r"; timeout 60 $b/pool --bench "$filter" --measurement-time 2 --warm-up-time 1 --noplot 2>&1 | grep -E "^[a-z_/0-9]+ +time:|time:" ; echo "pool $r $(el) s"
