@@ -1492,6 +1492,7 @@ impl Pool {
             return Ok(false);
         }
         let mut armed_any = false;
+        let mut renotify = false;
         for i in 0..self.shards.len() {
             let list = self.shard(i);
             for slot in list.iter() {
@@ -1511,21 +1512,18 @@ impl Pool {
                         continue;
                     }
                     Err(_) => {
-                        // RAN, yet the attempt did not take the stream: it was busy again after
-                        // the function's return (a free enqueued on it since; a failed query is
-                        // the attempt's error, see `finish_wake_up`). Armed again: the new
-                        // function runs once that work is done and notifies again (review 26: a
-                        // waiter slept for ever beside the idle stream); in a dead context it
-                        // never runs (or its launch fails), and the waiter polls for the fault
-                        // (R7-1).
+                        // RAN, yet the attempt did not take the stream: it did not look at it
+                        // (it was not counted as retired yet), or found it busy again after the
+                        // function's return (work the crate enqueued on it since, as an event
+                        // record of a buffer's ordering; a failed query is the attempt's error,
+                        // see `finish_wake_up`). Nothing else will notify for it: the gate is
+                        // notified (after the locks), and the waiter's next attempt looks again,
+                        // waiting for the stream's work (review 26: a waiter slept for ever
+                        // beside the idle stream). In a dead context that attempt gets the
+                        // sticky error (R7-1).
                         armed_any = true;
-                        if slot
-                            .armed
-                            .compare_exchange(RAN, ARMED, Ordering::AcqRel, Ordering::Acquire)
-                            .is_err()
-                        {
-                            continue;
-                        }
+                        renotify = true;
+                        continue;
                     }
                 }
                 let (gate, armed) = (self.gate.clone(), slot.clone());
@@ -1544,6 +1542,9 @@ impl Pool {
                     return Err(e);
                 }
             }
+        }
+        if renotify {
+            self.gate.notify();
         }
         Ok(armed_any)
     }
